@@ -1,0 +1,69 @@
+"""Masked reductions over ``(B, T)`` tensors.
+
+Every function treats positions where ``mask`` is 0 as absent: they never enter a sum, a mean
+or a count, and an inf or NaN sitting at a masked position does not leak (we select with
+``torch.where`` instead of multiplying by the mask, because ``inf * 0`` is NaN).
+An empty mask gives 0, never NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """``Σ m·x`` over ``dim`` (all dimensions when ``None``)."""
+    x = torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return x.sum() if dim is None else x.sum(dim)
+
+
+def masked_count(mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Number of unmasked positions, as a float tensor."""
+    m = mask.bool().to(torch.float32)
+    return m.sum() if dim is None else m.sum(dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """``Σ m·x / Σ m``; 0 where the mask is empty."""
+    count = masked_count(mask, dim).to(x.dtype)
+    return masked_sum(x, mask, dim) / count.clamp_min(1.0)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of the unmasked entries of ``x`` (over all dimensions).
+
+    With ``unbiased`` the sum of squares is divided by ``n - 1`` (Bessel), else by ``n``.
+    Fewer than two entries (one, for the population variance) give 0.
+    """
+    mean = masked_mean(x, mask)
+    sq = masked_sum((x - mean) ** 2, mask)
+    n = masked_count(mask).to(x.dtype)
+    denom = n - 1.0 if unbiased else n
+    return torch.where(denom > 0, sq / denom.clamp_min(1.0), torch.zeros_like(sq))
+
+
+def masked_whiten(
+    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
+) -> torch.Tensor:
+    """``(x - mean) / sqrt(var + eps)`` with statistics over the unmasked entries.
+
+    With ``shift_mean=False`` the mean is added back (only the scale changes). Masked
+    positions come out as 0.
+    """
+    mean = masked_mean(x, mask)
+    var = masked_var(x, mask, unbiased=False)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return torch.where(mask.bool(), out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+def masked_min_max(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Minimum and maximum of the unmasked entries; both 0 for an empty mask."""
+    m = mask.bool()
+    inf = torch.tensor(float("inf"), dtype=x.dtype, device=x.device)
+    lo = torch.where(m, x, inf).amin()
+    hi = torch.where(m, x, -inf).amax()
+    any_ = m.any()
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    return torch.where(any_, lo, zero), torch.where(any_, hi, zero)
