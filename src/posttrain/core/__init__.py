@@ -26,7 +26,13 @@ from posttrain.core.masked import (
     masked_var,
     masked_whiten,
 )
-from posttrain.core.policy import explained_variance, gspo_loss, gspo_token_loss, ppo_clip_loss, value_loss
+from posttrain.core.policy import (
+    explained_variance,
+    gspo_loss,
+    gspo_token_loss,
+    ppo_clip_loss,
+    value_loss,
+)
 from posttrain.core.preference import bradley_terry_loss, dpo_loss
 
 __all__ = [

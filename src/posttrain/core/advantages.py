@@ -24,6 +24,21 @@ def _group_sums(values: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Te
     return sums[group_ids], sizes[group_ids]
 
 
+def _group_constant(values: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """``(N,)`` bool: whether every member of the sample's group has the same value.
+
+    Needed because ``sum / size`` is not exactly the common value in floating point (seven
+    rewards of 0.7 in float32 have a mean one ulp off), and dividing that rounding error by an
+    equally tiny std would turn an all-equal group into advantages of order 1.
+    """
+    n_groups = int(group_ids.max()) + 1 if group_ids.numel() else 0
+    lo = values.new_zeros(n_groups).scatter_reduce(0, group_ids, values, "amin",
+                                                   include_self=False)
+    hi = values.new_zeros(n_groups).scatter_reduce(0, group_ids, values, "amax",
+                                                   include_self=False)
+    return (lo == hi)[group_ids]
+
+
 @torch.no_grad()
 def group_advantages(
     rewards: torch.Tensor,
@@ -41,7 +56,7 @@ def group_advantages(
     rewards = rewards.to(torch.float32) if not rewards.is_floating_point() else rewards
     sums, sizes = _group_sums(rewards, group_ids)
     mean = sums / sizes
-    centred = rewards - mean
+    centred = torch.where(_group_constant(rewards, group_ids), 0.0, rewards - mean)
     if not scale_by_std:
         return centred
     sq, _ = _group_sums(centred.square(), group_ids)
@@ -60,7 +75,8 @@ def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Ten
     rewards = rewards.to(torch.float32) if not rewards.is_floating_point() else rewards
     sums, sizes = _group_sums(rewards, group_ids)
     others = (sums - rewards) / (sizes - 1.0).clamp_min(1.0)
-    return torch.where(sizes > 1, rewards - others, torch.zeros_like(rewards))
+    keep = (sizes > 1) & ~_group_constant(rewards, group_ids)
+    return torch.where(keep, rewards - others, torch.zeros_like(rewards))
 
 
 @torch.no_grad()
@@ -89,10 +105,10 @@ def gae(
         m = mask[:, t]
         delta = rewards[:, t] + gamma * next_value - values[:, t]
         a = delta + gamma * lam * next_adv
-        adv[:, t] = a * m
+        adv[:, t] = torch.where(m > 0, a, 0.0)  # where, not a * m: inf * 0 is NaN
         next_value = torch.where(m > 0, values[:, t], next_value)
         next_adv = torch.where(m > 0, a, next_adv)
-    returns = (adv + values) * mask
+    returns = torch.where(mask > 0, adv + values, 0.0)
     return adv, returns
 
 
@@ -108,7 +124,7 @@ def discounted_returns(
     for t in reversed(range(T)):
         m = mask[:, t]
         g = rewards[:, t] + gamma * running
-        out[:, t] = g * m
+        out[:, t] = torch.where(m > 0, g, 0.0)
         running = torch.where(m > 0, g, running)
     return out
 

@@ -3,18 +3,18 @@ aggregation, which clip range and KL terms. One on-policy loop reads these recor
 algorithm means one table entry (and, if it brings a new piece, one function in the maps
 below) — never an ``if algo == ...`` branch in a trainer.
 
-| name                  | advantage              | policy loss | aggregation   | ε_low / ε_high | β (loss KL) | reward KL | extras                     |
-|-----------------------|------------------------|-------------|---------------|----------------|-------------|-----------|----------------------------|
-| ppo                   | gae (critic)           | ppo_clip    | token_mean    | 0.2 / 0.2      | 0           | k1, 0.05  | value loss, whitening      |
-| grpo                  | group                  | ppo_clip    | seq_mean      | 0.2 / 0.2      | 0.04 (k3)   | —         |                            |
-| dapo                  | group                  | ppo_clip    | token_mean    | 0.2 / 0.28     | 0           | —         | dynamic sampling, overlong |
-| gspo                  | group                  | gspo        | seq_mean      | 3e-4 / 4e-4    | 0           | —         |                            |
-| gspo_token            | group                  | gspo_token  | seq_mean      | 3e-4 / 4e-4    | 0           | —         |                            |
-| dr_grpo               | group_no_std           | ppo_clip    | seq_sum_const | 0.2 / 0.2      | 0           | —         |                            |
-| rloo                  | rloo                   | ppo_clip    | seq_mean      | 0.2 / 0.2      | 0.04 (k3)   | —         |                            |
-| reinforce_pp          | reinforce_pp           | ppo_clip    | token_mean    | 0.2 / 0.2      | 0           | k1, 0.01  | batch whitening            |
-| reinforce_pp_baseline | reinforce_pp_baseline  | ppo_clip    | token_mean    | 0.2 / 0.2      | 0           | k1, 0.01  | group-mean baseline        |
+name                  advantage           loss        aggregation    ε_low/high  KL term
+ppo                   gae (critic)        ppo_clip    token_mean     0.2/0.2     reward, k1 0.05
+grpo                  group               ppo_clip    seq_mean       0.2/0.2     loss, k3 0.04
+dapo                  group               ppo_clip    token_mean     0.2/0.28    —
+gspo                  group               gspo        seq_mean       3e-4/4e-4   —
+gspo_token            group               gspo_token  seq_mean       3e-4/4e-4   —
+dr_grpo               group_no_std        ppo_clip    seq_sum_const  0.2/0.2     —
+rloo                  rloo                ppo_clip    seq_mean       0.2/0.2     loss, k3 0.04
+reinforce_pp          reinforce_pp        ppo_clip    token_mean     0.2/0.2     reward, k1 0.01
+  reinforce_pp_baseline  ..._baseline        ppo_clip    token_mean     0.2/0.2     reward, k1 0.01
 
+DAPO also turns on dynamic sampling and overlong reward shaping.
 Variants and what they leave out: ``rloo`` uses the leave-one-out baseline inside GRPO's
 clipped, KL-regularised objective (the paper's KL-in-reward form is ``reinforce_pp`` with a
 leave-one-out baseline, not provided). ``dr_grpo``'s constant ``C`` is the maximum number of

@@ -31,9 +31,10 @@ def groups_with_signal(
     ``atol``). Dynamic sampling keeps those groups and resamples to replace the rest; a group
     of one never carries signal."""
     n_groups = int(group_ids.max()) + 1 if group_ids.numel() else 0
-    r = rewards.to(torch.float32)
-    hi = torch.full((n_groups,), float("-inf"), device=r.device).scatter_reduce(
+    # At least float32, but float64 rewards stay float64 (a cast would merge close rewards).
+    r = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
+    hi = torch.full((n_groups,), float("-inf"), dtype=r.dtype, device=r.device).scatter_reduce(
         0, group_ids, r, reduce="amax")
-    lo = torch.full((n_groups,), float("inf"), device=r.device).scatter_reduce(
+    lo = torch.full((n_groups,), float("inf"), dtype=r.dtype, device=r.device).scatter_reduce(
         0, group_ids, r, reduce="amin")
     return ((hi - lo) > atol)[group_ids]

@@ -37,7 +37,9 @@ def kl_penalty(
         return 0.5 * r.square()
     if estimator == "k3":
         r = r.clamp(-clamp, clamp)
-        return torch.exp(-r) - 1.0 + r
+        # expm1, not exp(-r) - 1: the latter cancels catastrophically for small |r| and goes
+        # negative in float32 (about -6e-8 at |r| ~ 1e-4, where the true value is ~5e-9).
+        return torch.expm1(-r) + r
     raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {KL_ESTIMATORS}")
 
 
@@ -61,8 +63,8 @@ class AdaptiveKLController:
     """
 
     def __init__(self, init_coef: float, target: float, horizon: float):
-        if target <= 0 or horizon <= 0:
-            raise ValueError("adaptive KL needs target > 0 and horizon > 0")
+        if not (math.isfinite(target) and math.isfinite(horizon)) or target <= 0 or horizon <= 0:
+            raise ValueError("adaptive KL needs finite target > 0 and horizon > 0")
         self.value = float(init_coef)
         self.target = float(target)
         self.horizon = float(horizon)

@@ -3,78 +3,136 @@
 ``log_softmax(logits).gather(labels)`` writes a second ``(B, T, V)`` tensor (2.5 GB for
 B=8, T=512 and Qwen's 151,936-token vocabulary in float32) and, under autograd, keeps it for
 the backward pass. Here we gather the chosen token's logit and subtract a ``logsumexp``, a
-chunk of rows at a time, so the only full-size tensor is the logits themselves:
+chunk of rows at a time:
 
     ℓ_t = logits[t, y_t] - logsumexp_v logits[t, v]
     H_t = logsumexp_v logits[t, v] - Σ_v softmax(logits[t])_v · logits[t, v]
 
-Half-precision logits are upcast to float32 one chunk at a time (the log-probabilities of a
-bf16 model are too coarse in bf16). Chunks are views of ``logits``; slicing the time axis of
-a non-contiguous tensor (``logits[:, :-1]``) therefore copies nothing.
+Both are ``torch.autograd.Function`` s with a hand-written, equally chunked backward:
+
+    ∂ℓ_t/∂logits[t, v] = 1[v = y_t] - p_v
+    ∂H_t/∂logits[t, v] = -p_v (logits[t, v] - E_p[logits[t]])
+
+so autograd saves only the logits (no copy) and one float per row, and the backward writes
+the logits' gradient straight into one buffer. (Slicing chunks out of a tensor that requires
+grad would instead make autograd allocate a full-size zero gradient per chunk.) Half-precision
+logits are upcast to float32 one chunk at a time; outputs are float32 (float64 for float64).
+Chunks are views: slicing the time axis of a non-contiguous tensor (``logits[:, :-1]``)
+copies nothing.
 """
 
 from __future__ import annotations
 
 import torch
 
-CHUNK_ELEMENTS = 1 << 23  # ~32 MiB of float32 per chunk: extra memory stays O(chunk)
+# Elements per chunk: 4 MiB of float32 on the CPU keeps the temporaries in cache and the
+# extra memory negligible; on a GPU larger chunks amortise kernel launches.
+CHUNK_ELEMENTS = {"cpu": 1 << 20, "cuda": 1 << 24}
 
 
-def _chunks(logits: torch.Tensor, chunk_rows: int | None):
-    """Yield ``(b, t0, t1)`` covering ``(B, T)`` with at most ``chunk_rows`` rows each."""
-    B, T, V = logits.shape
-    rows = chunk_rows or max(1, CHUNK_ELEMENTS // V)
-    for b in range(B):
-        for t0 in range(0, T, rows):
-            yield b, t0, min(T, t0 + rows)
+def _spans(logits: torch.Tensor, chunk_rows: int | None):
+    T, V = logits.shape[1:]
+    rows = chunk_rows or max(1, CHUNK_ELEMENTS.get(logits.device.type, 1 << 22) // V)
+    return [(t0, min(T, t0 + rows)) for t0 in range(0, T, rows)]
 
 
-def _as_3d(logits: torch.Tensor, labels: torch.Tensor):
-    if logits.dim() == 2:
-        return logits.unsqueeze(0), labels.unsqueeze(0)
-    if logits.dim() != 3 or labels.shape != logits.shape[:2]:
-        raise ValueError(f"expected logits (B, T, V) and labels (B, T), got "
-                         f"{tuple(logits.shape)} and {tuple(labels.shape)}")
-    return logits, labels
+def _out_dtype(logits: torch.Tensor) -> torch.dtype:
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
-def _upcast(x: torch.Tensor) -> torch.Tensor:
-    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+class _TokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, labels, chunk_rows):  # logits (B, T, V), labels (B, T) >= 0
+        B, T, _ = logits.shape
+        dtype = _out_dtype(logits)
+        out = torch.empty(B, T, dtype=dtype, device=logits.device)
+        lse = torch.empty(B, T, dtype=dtype, device=logits.device)
+        for b in range(B):
+            for t0, t1 in _spans(logits, chunk_rows):
+                x = logits[b, t0:t1].to(dtype)  # (rows, V); a view when no upcast
+                lse[b, t0:t1] = torch.logsumexp(x, dim=-1)
+                out[b, t0:t1] = x.gather(-1, labels[b, t0:t1, None]).squeeze(-1) - lse[b, t0:t1]
+        ctx.save_for_backward(logits, labels, lse)
+        ctx.chunk_rows = chunk_rows
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        logits, labels, lse = ctx.saved_tensors
+        B = logits.shape[0]
+        grad = torch.empty_like(logits)
+        for b in range(B):
+            for t0, t1 in _spans(logits, ctx.chunk_rows):
+                g = grad_out[b, t0:t1, None].to(lse.dtype)  # (rows, 1)
+                x = logits[b, t0:t1].to(lse.dtype)
+                chunk = torch.exp(x - lse[b, t0:t1, None]).mul_(-g)  # -p · g
+                chunk.scatter_add_(-1, labels[b, t0:t1, None], g)  # + 1[v = y] · g
+                grad[b, t0:t1] = chunk
+        return grad, None, None
+
+
+class _TokenEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, chunk_rows):
+        B, T, _ = logits.shape
+        dtype = _out_dtype(logits)
+        out = torch.empty(B, T, dtype=dtype, device=logits.device)
+        lse = torch.empty(B, T, dtype=dtype, device=logits.device)
+        mean_logit = torch.empty(B, T, dtype=dtype, device=logits.device)  # E_p[logits]
+        for b in range(B):
+            for t0, t1 in _spans(logits, chunk_rows):
+                x = logits[b, t0:t1].to(dtype)
+                lse[b, t0:t1] = torch.logsumexp(x, dim=-1)
+                p = torch.exp(x - lse[b, t0:t1, None])
+                mean_logit[b, t0:t1] = (p * x).sum(-1)
+        out = lse - mean_logit
+        ctx.save_for_backward(logits, lse, mean_logit)
+        ctx.chunk_rows = chunk_rows
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        logits, lse, mean_logit = ctx.saved_tensors
+        B = logits.shape[0]
+        grad = torch.empty_like(logits)
+        for b in range(B):
+            for t0, t1 in _spans(logits, ctx.chunk_rows):
+                x = logits[b, t0:t1].to(lse.dtype)
+                p = torch.exp(x - lse[b, t0:t1, None])
+                grad[b, t0:t1] = p.mul_(mean_logit[b, t0:t1, None] - x).mul_(
+                    grad_out[b, t0:t1, None])
+        return grad, None
 
 
 def token_logprobs(
     logits: torch.Tensor, labels: torch.Tensor, chunk_rows: int | None = None
 ) -> torch.Tensor:
     """``log softmax(logits)[..., labels]``: logits ``(B, T, V)`` or ``(N, V)``, labels ``(B, T)``
-    or ``(N,)`` → float32 (or the logits' float dtype) ``(B, T)`` / ``(N,)``.
+    or ``(N,)`` → ``(B, T)`` / ``(N,)`` in float32 (float64 for float64 logits).
 
     Naive equivalent: ``logits.log_softmax(-1).gather(-1, labels[..., None]).squeeze(-1)``.
-    Negative labels (the usual ``-100`` for ignored positions) give 0; mask them downstream.
+    Negative labels (the usual ``-100`` for ignored positions) give 0 and no gradient.
     """
     squeeze = logits.dim() == 2
-    logits3, labels3 = _as_3d(logits, labels)
-    safe = labels3.clamp_min(0)
-    rows = []
-    for b, t0, t1 in _chunks(logits3, chunk_rows):
-        x = _upcast(logits3[b, t0:t1])  # (rows, V)
-        picked = x.gather(-1, safe[b, t0:t1, None]).squeeze(-1)
-        rows.append(picked - torch.logsumexp(x, dim=-1))
-    out = torch.cat(rows).view(labels3.shape)
-    out = torch.where(labels3 < 0, torch.zeros_like(out), out)
+    if squeeze:
+        logits, labels = logits.unsqueeze(0), labels.unsqueeze(0)
+    if logits.dim() != 3 or labels.shape != logits.shape[:2]:
+        raise ValueError(f"expected logits (B, T, V) and labels (B, T), got "
+                         f"{tuple(logits.shape)} and {tuple(labels.shape)}")
+    ignored = labels < 0
+    out = _TokenLogprobs.apply(logits, labels.clamp_min(0), chunk_rows)
+    out = out.masked_fill(ignored, 0.0)
     return out.squeeze(0) if squeeze else out
 
 
 def token_entropy(logits: torch.Tensor, chunk_rows: int | None = None) -> torch.Tensor:
-    """Entropy of ``softmax(logits)`` per position: ``(B, T, V)`` → ``(B, T)``.
+    """Entropy of ``softmax(logits)`` per position: ``(B, T, V)`` → ``(B, T)`` (or ``(N, V)`` →
+    ``(N,)``), float32 (float64 for float64 logits).
 
     Naive equivalent: ``-(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)``.
     """
     squeeze = logits.dim() == 2
-    logits3 = logits.unsqueeze(0) if squeeze else logits
-    rows = []
-    for b, t0, t1 in _chunks(logits3, chunk_rows):
-        x = _upcast(logits3[b, t0:t1])
-        lse = torch.logsumexp(x, dim=-1)
-        rows.append(lse - (torch.softmax(x, dim=-1) * x).sum(-1))
-    out = torch.cat(rows).view(logits3.shape[:2])
+    out = _TokenEntropy.apply(logits.unsqueeze(0) if squeeze else logits, chunk_rows)
     return out.squeeze(0) if squeeze else out

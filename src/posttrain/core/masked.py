@@ -11,9 +11,15 @@ from __future__ import annotations
 import torch
 
 
+def _zero_masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``x`` with masked positions replaced by 0, so an inf/NaN there cannot reach a value
+    or (through ``0 · inf`` in a backward pass) a gradient."""
+    return torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """``Σ m·x`` over ``dim`` (all dimensions when ``None``)."""
-    x = torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
+    x = _zero_masked(x, mask)
     return x.sum() if dim is None else x.sum(dim)
 
 
@@ -35,6 +41,7 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
     With ``unbiased`` the sum of squares is divided by ``n - 1`` (Bessel), else by ``n``.
     Fewer than two entries (one, for the population variance) give 0.
     """
+    x = _zero_masked(x, mask)
     mean = masked_mean(x, mask)
     sq = masked_sum((x - mean) ** 2, mask)
     n = masked_count(mask).to(x.dtype)
@@ -50,6 +57,7 @@ def masked_whiten(
     With ``shift_mean=False`` the mean is added back (only the scale changes). Masked
     positions come out as 0.
     """
+    x = _zero_masked(x, mask)
     mean = masked_mean(x, mask)
     var = masked_var(x, mask, unbiased=False)
     out = (x - mean) * torch.rsqrt(var + eps)
