@@ -12,7 +12,7 @@ gspo_token            group               gspo_token  seq_mean       3e-4/4e-4  
 dr_grpo               group_no_std        ppo_clip    seq_sum_const  0.2/0.2     —
 rloo                  rloo                ppo_clip    seq_mean       0.2/0.2     loss, k3 0.04
 reinforce_pp          reinforce_pp        ppo_clip    token_mean     0.2/0.2     reward, k1 0.01
-  reinforce_pp_baseline  ..._baseline        ppo_clip    token_mean     0.2/0.2     reward, k1 0.01
+reinforce_pp_baseline ..._baseline          ppo_clip    token_mean     0.2/0.2     reward, k1 0.01
 
 DAPO also turns on dynamic sampling and overlong reward shaping.
 Variants and what they leave out: ``rloo`` uses the leave-one-out baseline inside GRPO's
