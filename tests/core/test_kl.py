@@ -22,7 +22,7 @@ def _logprobs(shape, seed, spread, dtype=torch.float32):
 def _naive(estimator, lp, ref):
     """Per element, in float64: k1 = r, k2 = r²/2, k3 = exp(ref - lp) - (ref - lp) - 1."""
     out = []
-    for a, b in zip(lp.flatten().tolist(), ref.flatten().tolist()):
+    for a, b in zip(lp.flatten().tolist(), ref.flatten().tolist(), strict=True):
         r = a - b
         if estimator == "k1":
             out.append(r)
@@ -81,7 +81,7 @@ def test_gradient_matches_analytic(estimator):
     lp, ref = _logprobs((3, 5), 2, 1.0, torch.float64)
     lp.requires_grad_(True)
     kl_penalty(lp, ref, estimator).sum().backward()
-    r = [a - b for a, b in zip(lp.detach().flatten().tolist(), ref.flatten().tolist())]
+    r = [a - b for a, b in zip(lp.detach().flatten().tolist(), ref.flatten().tolist(), strict=True)]
     d = {"k1": lambda v: 1.0, "k2": lambda v: v, "k3": lambda v: 1.0 - math.exp(-v)}[estimator]
     expect = torch.tensor([d(v) for v in r], dtype=torch.float64).view(lp.shape)
     torch.testing.assert_close(lp.grad, expect)

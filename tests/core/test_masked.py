@@ -29,7 +29,8 @@ def _data(shape, seed, dtype=torch.float64, p_keep=0.6):
 
 def _kept(x, mask):
     """The unmasked entries, as Python floats (in float64)."""
-    return [float(v) for v, m in zip(x.flatten().tolist(), mask.flatten().tolist()) if m]
+    pairs = zip(x.flatten().tolist(), mask.flatten().tolist(), strict=True)
+    return [float(v) for v, m in pairs if m]
 
 
 def _naive_var(vals, unbiased):
@@ -42,7 +43,9 @@ def _naive_var(vals, unbiased):
 
 
 def _tol(dtype):
-    return {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-12}
+    if dtype == torch.float32:
+        return {"rtol": 1e-5, "atol": 1e-5}
+    return {"rtol": 1e-12, "atol": 1e-12}
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -117,7 +120,7 @@ def test_whiten_matches_textbook(shape, dtype, shift_mean):
         mean = sum(vals) / len(vals) if vals else 0.0
         scale = 1.0 / math.sqrt(_naive_var(vals, unbiased=False) + eps)
         flat = []
-        for v, m in zip(x.flatten().tolist(), mask.flatten().tolist()):
+        for v, m in zip(x.flatten().tolist(), mask.flatten().tolist(), strict=True):
             w = (v - mean) * scale + (0.0 if shift_mean else mean)
             flat.append(w if m else 0.0)
         expect = torch.tensor(flat, dtype=torch.float64).view(shape)

@@ -121,8 +121,10 @@ def _broadcast(seq_adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def _reward_kl(algo, mask, old_logprobs, ref_logprobs):
-    if algo.reward_kl_coef == 0 or ref_logprobs is None:
+    if algo.reward_kl_coef == 0:
         return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    if old_logprobs is None or ref_logprobs is None:
+        raise ValueError(f"{algo.name}: reward_kl_coef > 0 needs old_logprobs and ref_logprobs")
     return kl_penalty(old_logprobs, ref_logprobs, algo.reward_kl_estimator)
 
 
