@@ -1,0 +1,171 @@
+"""DPO seconds per optimiser step: posttrain against TRL's ``DPOTrainer``, same model, data
+and settings, alternating runs in one session.
+
+Settings compared (16 pairs per step, fp32, CPU):
+
+- ``identical``: reference forward every step on both (posttrain ``precompute_ref=False``,
+  TRL ``precompute_ref_log_probs=False``), no gradient checkpointing, same lr, β, loss;
+- ``defaults``: each library's defaults for the rest (posttrain caches the reference
+  log-probs up front; TRL's defaults turn gradient checkpointing on). Time spent on the cache
+  is reported separately.
+
+Models: ``small`` (~0.5M parameters: hidden 128, 2 layers) and ``medium`` (~25M: hidden 512,
+8 layers), built-in byte tokenizer, random init. Data: the built-in task's preference pairs.
+Each run is a fresh subprocess; per-step times skip the first ``--warmup`` steps and we
+report the median step, then the median over repeats, and the ratio TRL / posttrain.
+
+Usage: python benchmarks/dpo_speed.py [--sizes small medium] [--repeats 3] [--steps 12]
+Needs the bench extra: pip install -e '.[bench]'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SIZES = {
+    "small": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=4),
+    "medium": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+                   num_attention_heads=8, num_key_value_heads=8),
+}
+PAIRS, LR, BETA = 16, 1e-5, 0.1
+
+
+def _prepare(work: Path, size: str, steps: int) -> tuple[Path, Path]:
+    from posttrain.builtin import task
+    from posttrain.builtin.build import init_model
+
+    model_dir = work / f"model-{size}"
+    if not model_dir.exists():
+        init_model(model_dir, **SIZES[size])
+    data = work / "pairs.jsonl"
+    if not data.exists():
+        rows = task.preference_rows(PAIRS * (steps + 2), "train")
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return model_dir, data
+
+
+def _run_posttrain(model_dir: Path, data: Path, steps: int, setting: str, out: Path) -> dict:
+    from posttrain.trainers.offline import DPOConfig, run_dpo
+
+    cfg = DPOConfig(model=str(model_dir), data=str(data), output_dir=str(out), max_steps=steps,
+                    batch_size=PAIRS, lr=LR, beta=BETA, log_every=1, device="cpu",
+                    warmup_ratio=0.0, precompute_ref=(setting == "defaults"),
+                    tensorboard=False)
+    cfg.validate()
+    t0 = time.perf_counter()
+    run_dpo(cfg)
+    total = time.perf_counter() - t0
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return {"step_s": [r["time/step_s"] for r in rows if "time/step_s" in r], "total_s": total}
+
+
+def _run_trl(model_dir: Path, data: Path, steps: int, setting: str, out: Path) -> dict:
+    import datasets
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import DPOConfig, DPOTrainer
+
+    times: list[float] = []
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            self.t = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            times.append(time.perf_counter() - self.t)
+
+    ds = datasets.load_dataset("json", data_files=str(data), split="train")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    common = dict(output_dir=str(out), per_device_train_batch_size=PAIRS, max_steps=steps,
+                  learning_rate=LR, beta=BETA, report_to="none", save_strategy="no",
+                  use_cpu=True, disable_tqdm=True, logging_steps=10_000,
+                  dataloader_num_workers=0)
+    if setting == "identical":
+        args = DPOConfig(**common, bf16=False, gradient_checkpointing=False,
+                         precompute_ref_log_probs=False, lr_scheduler_type="linear",
+                         warmup_steps=0)
+    else:
+        args = DPOConfig(**common)
+    t0 = time.perf_counter()
+    trainer = DPOTrainer(model=model, args=args, train_dataset=ds, processing_class=tok,
+                         callbacks=[StepTimer()])
+    trainer.train()
+    return {"step_s": times, "total_s": time.perf_counter() - t0}
+
+
+def _child(args) -> int:
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+    work = Path(args.work)
+    model_dir, data = _prepare(work, args.size, args.steps)
+    out = Path(tempfile.mkdtemp(prefix=f"{args.impl}-", dir=work))
+    fn = _run_posttrain if args.impl == "posttrain" else _run_trl
+    res = fn(model_dir, data, args.steps, args.setting, out)
+    print("RESULT " + json.dumps(res))
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", nargs="+", default=["small", "medium"], choices=list(SIZES))
+    p.add_argument("--settings", nargs="+", default=["identical", "defaults"])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--work", default=None)
+    p.add_argument("--child", nargs=3, metavar=("IMPL", "SIZE", "SETTING"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        args.impl, args.size, args.setting = args.child
+        return _child(args)
+
+    work = Path(args.work or tempfile.mkdtemp(prefix="posttrain-dpo-bench-"))
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    table = []
+    for size in args.sizes:
+        for setting in args.settings:
+            per = {"posttrain": [], "trl": []}
+            totals = {"posttrain": [], "trl": []}
+            for rep in range(args.repeats):
+                order = ("trl", "posttrain") if rep % 2 == 0 else ("posttrain", "trl")
+                for impl in order:
+                    cmd = [sys.executable, __file__, "--child", impl, size, setting,
+                           "--steps", str(args.steps), "--work", str(work)]
+                    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+                    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+                    if proc.returncode != 0 or not line:
+                        print(proc.stdout[-2000:], proc.stderr[-4000:], file=sys.stderr)
+                        raise SystemExit(f"{impl} {size} {setting} failed")
+                    res = json.loads(line[0][7:])
+                    per[impl].append(statistics.median(res["step_s"][args.warmup:]))
+                    totals[impl].append(res["total_s"])
+                    print(f"{size:>6} {setting:>9} rep {rep} {impl:>9}: "
+                          f"{per[impl][-1]:.4f} s/step, {res['total_s']:.1f} s total",
+                          file=sys.stderr)
+            pt, trl = statistics.median(per["posttrain"]), statistics.median(per["trl"])
+            table.append((size, setting, trl, pt, trl / pt, statistics.median(totals["trl"]),
+                          statistics.median(totals["posttrain"])))
+    print(f"DPO, {PAIRS} pairs/step, fp32, CPU threads={env['OMP_NUM_THREADS']}, "
+          f"{args.steps} steps (first {args.warmup} skipped), median of {args.repeats} "
+          "alternating runs")
+    print("| model | setting | TRL s/step | posttrain s/step | speed-up | TRL run s | "
+          "posttrain run s |")
+    print("|---|---|---|---|---|---|---|")
+    for size, setting, trl, pt, ratio, tt, pp in table:
+        print(f"| {size} | {setting} | {trl:.4f} | {pt:.4f} | {ratio:.2f}x | {tt:.1f} | "
+              f"{pp:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

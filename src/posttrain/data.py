@@ -1,0 +1,287 @@
+"""Reading, validating and tokenising training data.
+
+Sources: JSON Lines (``.jsonl``, or ``.json`` holding lines or one list), Parquet
+(``.parquet``, needs ``pyarrow``), a directory written by ``datasets.save_to_disk``, or a list
+of dicts (the built-in task). Formats:
+
+    sft          {"prompt": str, "completion": str}   or   {"messages": [{"role", "content"}, ...]}
+    preference   {"prompt": str, "chosen": str, "rejected": str, "margin": number (optional)}
+    rl           {"prompt": str, ...}   (other columns are passed to reward functions)
+
+Every row is checked before training starts. A problem raises :class:`DataError` naming the
+file, the row (1-based, as an editor shows a JSONL line) and the field. Over-long rows are
+errors unless ``overlong`` is ``truncate`` (the completion is cut) or ``drop``; then a
+counted warning is printed. Loss masks cover completion tokens (and the closing eos) only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import numbers
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+BUILTIN_SOURCE = "<built-in task>"
+
+
+class DataError(ValueError):
+    """A problem in the data, located by source, row and field."""
+
+    def __init__(self, source: str, row: int | None, field: str | None, message: str):
+        where = source + (f", row {row}" if row is not None else "") + \
+            (f", field '{field}'" if field else "")
+        super().__init__(f"{where}: {message}")
+        self.source, self.row, self.field = source, row, field
+
+
+# --- reading ---------------------------------------------------------------------------------
+
+def read_rows(source: str | list[dict]) -> tuple[str, list[dict]]:
+    """``(name, rows)`` from a file, a saved dataset directory or a list of dicts."""
+    if isinstance(source, list):
+        return BUILTIN_SOURCE, source
+    path = Path(source)
+    name = str(source)
+    if not path.exists():
+        raise DataError(name, None, None, "no such file or directory")
+    if path.is_dir():
+        return name, _read_dataset_dir(path)
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".json"):
+        return name, _read_json(path)
+    if suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise DataError(name, None, None, "reading Parquet needs pyarrow: "
+                            "pip install 'posttrain[data]'") from None
+        return name, pq.read_table(path).to_pylist()
+    raise DataError(name, None, None, f"unsupported file type {suffix!r}; use .jsonl, "
+                    ".json, .parquet or a datasets directory")
+
+
+def _read_json(path: Path) -> list[dict]:
+    text = path.read_text(encoding="utf-8-sig")
+    if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataError(str(path), None, None, f"invalid JSON: {e}") from None
+        return rows
+    rows = []
+    # Split on "\n" only: str.splitlines would also split inside JSON strings holding
+    # U+2028, U+0085 or \x0c, which JSON allows unescaped.
+    for i, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(str(path), i, None, f"invalid JSON: {e.msg}") from None
+        if not isinstance(row, dict):
+            raise DataError(str(path), i, None,
+                            f"expected a JSON object, got {type(row).__name__}")
+        # Keep editor line numbers for messages, even when blank lines were skipped.
+        rows.append(dict(row, _line=i))
+    return rows
+
+
+def _read_dataset_dir(path: Path) -> list[dict]:
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(str(path), None, None, "reading a datasets directory needs the "
+                        "datasets package: pip install 'posttrain[data]'") from None
+    ds = datasets.load_from_disk(str(path))
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise DataError(str(path), None, None, f"DatasetDict without a 'train' split "
+                            f"(has {list(ds)})")
+        ds = ds["train"]
+    return ds.to_list()
+
+
+# --- validation ------------------------------------------------------------------------------
+
+def _row_number(row: dict, index: int) -> int:
+    return row.get("_line", index + 1)
+
+
+def _need_text(source: str, row: dict, n: int, field: str) -> str:
+    if field not in row:
+        raise DataError(source, n, field, "missing")
+    value = row[field]
+    if not isinstance(value, str):
+        raise DataError(source, n, field, f"expected a string, got {type(value).__name__}")
+    if not value.strip():
+        raise DataError(source, n, field, "empty text")
+    return value
+
+
+def _messages(source: str, row: dict, n: int) -> list[dict]:
+    msgs = row["messages"]
+    if not isinstance(msgs, list) or not msgs:
+        raise DataError(source, n, "messages", "expected a non-empty list of messages")
+    for j, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or \
+                not isinstance(m.get("content"), str):
+            raise DataError(source, n, f"messages[{j}]",
+                            "expected {'role': str, 'content': str}")
+    if msgs[-1]["role"] != "assistant":
+        raise DataError(source, n, "messages", "the last message must be the assistant's")
+    if not msgs[-1]["content"].strip():
+        raise DataError(source, n, f"messages[{len(msgs) - 1}].content", "empty text")
+    return msgs
+
+
+def validate(source: str, rows: list, kind: str) -> list[dict]:
+    """Check every row for ``kind`` (sft, preference, rl); return rows with ``_row`` set."""
+    if kind not in ("sft", "preference", "rl"):
+        raise ValueError(f"unknown data kind {kind!r}")
+    if not rows:
+        raise DataError(source, None, None, "no rows")
+    out = []
+    for i, row in enumerate(rows):
+        n = _row_number(row, i) if isinstance(row, dict) else i + 1
+        if not isinstance(row, dict):
+            raise DataError(source, n, None, f"expected a JSON object, got {type(row).__name__}")
+        clean = {k: v for k, v in row.items() if k != "_line"}
+        clean["_row"] = n
+        if kind == "sft":
+            if "messages" in row:
+                clean["messages"] = _messages(source, row, n)
+            elif "prompt" in row or "completion" in row:
+                _need_text(source, row, n, "prompt")
+                _need_text(source, row, n, "completion")
+            else:
+                raise DataError(source, n, "completion", "missing: an SFT row needs "
+                                "prompt and completion, or messages")
+        elif kind == "preference":
+            for field in ("prompt", "chosen", "rejected"):
+                _need_text(source, row, n, field)
+            margin = row.get("margin")
+            if margin is not None and (not isinstance(margin, numbers.Real)
+                                       or isinstance(margin, bool)):
+                raise DataError(source, n, "margin", f"expected a number, got "
+                                f"{type(margin).__name__}")
+        else:
+            _need_text(source, row, n, "prompt")
+        out.append(clean)
+    return out
+
+
+def load(source: str | list[dict], kind: str) -> tuple[str, list[dict]]:
+    """Read and validate: ``(name, rows)``."""
+    name, rows = read_rows(source)
+    return name, validate(name, rows, kind)
+
+
+# --- tokenisation ----------------------------------------------------------------------------
+
+def render_prompt(tokenizer, row: dict) -> tuple[str, str]:
+    """``(prompt, completion)`` text of an SFT row (chat rows through the chat template)."""
+    if "messages" not in row:
+        return row["prompt"], row["completion"]
+    msgs = row["messages"]
+    if getattr(tokenizer, "chat_template", None):
+        prompt = tokenizer.apply_chat_template(msgs[:-1], add_generation_prompt=True,
+                                               tokenize=False)
+    else:
+        prompt = "".join(f"{m['role']}: {m['content']}\n" for m in msgs[:-1]) + "assistant: "
+    return prompt, msgs[-1]["content"]
+
+
+@dataclass
+class Encoded:
+    """A tokenised prompt with one or more completions (each ending in eos)."""
+
+    prompt: list[int]
+    completions: list[list[int]]
+    row: int
+    margin: float | None = None
+    ref_logps: tuple[float, ...] | None = None
+    """Cached reference log-likelihoods of the completions (DPO)."""
+
+
+class Tokenise:
+    """Tokenises rows with the over-long policy; counts what it truncated or dropped."""
+
+    def __init__(self, tokenizer, max_length: int, overlong: str, source: str):
+        self.tok, self.max_length, self.overlong, self.source = (tokenizer, max_length,
+                                                                 overlong, source)
+        self.truncated = 0
+        self.dropped = 0
+
+    def _ids(self, text: str, special: bool) -> list[int]:
+        return self.tok(text, add_special_tokens=special)["input_ids"]
+
+    def __call__(self, row: dict, prompt: str, completions: dict[str, str]) -> Encoded | None:
+        p = self._ids(prompt, special=True)
+        outs = []
+        for field, text in completions.items():
+            c = [*self._ids(text, special=False), self.tok.eos_token_id]
+            if len(p) + len(c) > self.max_length:
+                if self.overlong == "error":
+                    raise DataError(self.source, row["_row"], field,
+                                    f"{len(p) + len(c)} tokens with the prompt, over "
+                                    f"max_length={self.max_length}; raise max_length or set "
+                                    "overlong to truncate or drop")
+                if self.overlong == "drop" or len(p) >= self.max_length:
+                    self.dropped += 1
+                    return None
+                c = c[: self.max_length - len(p)]
+                self.truncated += 1
+            outs.append(c)
+        margin = row.get("margin")
+        return Encoded(p, outs, row["_row"], None if margin is None else float(margin))
+
+    def report(self) -> None:
+        if self.truncated or self.dropped:
+            log.warning("%s: %d completions truncated and %d rows dropped at max_length=%d",
+                        self.source, self.truncated, self.dropped, self.max_length)
+
+
+def encode_sft(tokenizer, source: str, rows: list[dict], max_length: int, overlong: str
+               ) -> list[Encoded]:
+    tk = Tokenise(tokenizer, max_length, overlong, source)
+    out = []
+    for row in rows:
+        prompt, completion = render_prompt(tokenizer, row)
+        field = "messages" if "messages" in row else "completion"
+        enc = tk(row, prompt, {field: completion})
+        if enc is not None:
+            out.append(enc)
+    tk.report()
+    return out
+
+
+def encode_pairs(tokenizer, source: str, rows: list[dict], max_length: int, overlong: str
+                 ) -> list[Encoded]:
+    tk = Tokenise(tokenizer, max_length, overlong, source)
+    out = [e for row in rows
+           if (e := tk(row, row["prompt"], {"chosen": row["chosen"],
+                                             "rejected": row["rejected"]})) is not None]
+    tk.report()
+    return out
+
+
+def pad_sequences(prompts: list[list[int]], completions: list[list[int]], pad_id: int
+                  ) -> dict[str, torch.Tensor]:
+    """Right-padded ``input_ids``, ``attention_mask`` and completion ``loss_mask``, ``(B, T)``."""
+    lengths = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
+    T = max(lengths)
+    B = len(prompts)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros(B, T, dtype=torch.long)
+    loss_mask = torch.zeros(B, T, dtype=torch.long)
+    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+        n = len(p) + len(c)
+        input_ids[i, :n] = torch.tensor(p + c)
+        attention_mask[i, :n] = 1
+        loss_mask[i, len(p):n] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}

@@ -1,0 +1,74 @@
+"""Greedy evaluation: accuracy and mean reward of a policy's completions.
+
+``accuracy`` is the share of completions whose reward reaches ``threshold`` (1.0: a
+verifiable 0/1 reward counts exact answers); ``mean_reward`` is the plain mean.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+
+def load_reward_function(spec: str) -> Callable:
+    """``module:function`` or ``path/to/file.py:function`` → the callable."""
+    if ":" not in spec:
+        raise ValueError(f"reward {spec!r}: expected module:function or file.py:function")
+    target, func = spec.rsplit(":", 1)
+    if target.endswith(".py"):
+        path = Path(target)
+        if not path.exists():
+            raise FileNotFoundError(f"reward {spec!r}: no file {target}")
+        mod_spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(mod_spec)
+        mod_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(target)
+    fn = getattr(module, func, None)
+    if not callable(fn):
+        raise ValueError(f"reward {spec!r}: {target} has no function {func!r}")
+    return fn
+
+
+@torch.no_grad()
+def greedy_completions(model, tokenizer, prompts: list[str], max_new_tokens: int = 16,
+                       batch_size: int = 64) -> list[str]:
+    """Greedy completions (text up to eos) of ``prompts``."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    out: list[str] = []
+    try:
+        for i in range(0, len(prompts), batch_size):
+            enc = tokenizer(prompts[i:i + batch_size], return_tensors="pt", padding=True).to(device)
+            gen = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens,
+                                 pad_token_id=tokenizer.pad_token_id,
+                                 eos_token_id=tokenizer.eos_token_id)
+            out.extend(tokenizer.batch_decode(gen[:, enc["input_ids"].shape[1]:],
+                                              skip_special_tokens=True))
+    finally:
+        tokenizer.padding_side = side
+        model.train(was_training)
+    return out
+
+
+def evaluate_policy(model, tokenizer, rows: list[dict], reward_fn: Callable,
+                    max_new_tokens: int = 16, batch_size: int = 64, threshold: float = 1.0
+                    ) -> dict[str, float]:
+    """Greedy-decode every row's prompt, score with ``reward_fn(prompts, completions,
+    **columns)``; return accuracy, mean reward and the count."""
+    prompts = [r["prompt"] for r in rows]
+    completions = greedy_completions(model, tokenizer, prompts, max_new_tokens, batch_size)
+    columns = {k: [r.get(k) for r in rows] for k in rows[0] if k not in ("prompt", "_row")}
+    rewards = [float(x) for x in reward_fn(prompts, completions, **columns)]
+    if len(rewards) != len(rows):
+        raise ValueError(f"reward function returned {len(rewards)} values for {len(rows)} rows")
+    n = len(rewards)
+    return {"accuracy": sum(r >= threshold for r in rewards) / n,
+            "mean_reward": sum(rewards) / n, "n": n}

@@ -1,0 +1,17 @@
+"""Shared fixtures: one random tiny Llama with the byte tokenizer for the whole session."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    from posttrain.builtin.build import init_model
+
+    torch.set_num_threads(1)
+    path = tmp_path_factory.mktemp("tiny") / "model"
+    init_model(path, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+               num_attention_heads=2, num_key_value_heads=2)
+    return str(path)

@@ -1,0 +1,176 @@
+"""Typed configs: defaults, YAML + --key value overrides, conversion, validation, docs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from posttrain import config
+from posttrain.config import ConfigError, TrainConfig
+from posttrain.trainers.offline import DPOConfig, RMConfig, SFTConfig
+
+CLASSES = [TrainConfig, SFTConfig, RMConfig, DPOConfig]
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_defaults_validate(cls):
+    cfg = config.load(cls)
+    assert cfg == cls()
+
+
+def test_subclass_defaults_differ_from_base():
+    assert SFTConfig().batch_size == 32
+    assert DPOConfig().lr == 1e-5
+    assert RMConfig().epochs == 2.0
+    assert DPOConfig().beta == 0.1
+
+
+def test_yaml_then_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("lr: 0.003\nbatch_size: 8\nbeta: 0.5\nloss_type: ipo\n")
+    cfg = config.load(DPOConfig, str(path), ["--batch_size", "2", "--beta=0.25"])
+    assert cfg.lr == 0.003  # from the file
+    assert cfg.loss_type == "ipo"  # from the file
+    assert cfg.batch_size == 2  # the override wins
+    assert cfg.beta == 0.25
+    assert cfg.seed == 0  # default untouched
+
+
+def test_type_conversion():
+    cfg = config.load(DPOConfig, None, [
+        "--lr", "1e-5", "--max_steps", "7", "--warmup_ratio", "0", "--trust_remote_code",
+        "yes", "--precompute_ref", "False", "--tensorboard", "0", "--ref_model", "none",
+        "--data", "x.jsonl", "--epochs", "3"])
+    assert cfg.lr == 1e-5 and isinstance(cfg.lr, float)
+    assert cfg.max_steps == 7 and isinstance(cfg.max_steps, int)
+    assert cfg.warmup_ratio == 0.0 and isinstance(cfg.warmup_ratio, float)
+    assert cfg.trust_remote_code is True
+    assert cfg.precompute_ref is False
+    assert cfg.tensorboard is False
+    assert cfg.ref_model is None
+    assert cfg.data == "x.jsonl"
+    assert cfg.epochs == 3.0 and isinstance(cfg.epochs, float)
+
+
+def test_yaml_types(tmp_path):
+    # PyYAML reads 1e-5 (no dot) as a string; the field type makes it a float.
+    path = tmp_path / "c.yaml"
+    path.write_text("lr: 1e-5\nmax_steps: 4\ntensorboard: false\ndata: null\nseed: 3.0\n")
+    cfg = config.load(SFTConfig, str(path))
+    assert cfg.lr == 1e-5 and cfg.max_steps == 4 and cfg.tensorboard is False
+    assert cfg.data is None and cfg.seed == 3 and isinstance(cfg.seed, int)
+
+
+@pytest.mark.parametrize("args", [
+    ["--max_steps", "2.5"], ["--batch_size", "four"], ["--tensorboard", "maybe"],
+    ["--lr", "fast"],
+])
+def test_unconvertible_values(args):
+    with pytest.raises(ConfigError, match=args[0][2:]):
+        config.load(SFTConfig, None, args)
+
+
+def test_unknown_key_suggests_closest():
+    with pytest.raises(ConfigError) as e:
+        config.load(DPOConfig, None, ["--betta", "0.2"])
+    assert "'betta'" in str(e.value)
+    assert "did you mean 'beta'" in str(e.value)
+
+
+def test_unknown_key_in_yaml_names_the_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("batch_sise: 4\n")
+    with pytest.raises(ConfigError) as e:
+        config.load(SFTConfig, str(path))
+    assert str(path) in str(e.value) and "'batch_size'" in str(e.value)
+
+
+def test_unknown_key_without_close_match():
+    with pytest.raises(ConfigError) as e:
+        config.load(SFTConfig, None, ["--zzzzqqq", "1"])
+    assert "did you mean" not in str(e.value)
+
+
+def test_dashes_map_to_underscores():
+    assert config.load(SFTConfig, None, ["--max-steps", "5"]).max_steps == 5
+
+
+@pytest.mark.parametrize("cls,args,what", [
+    (SFTConfig, ["--lr", "-1e-4"], "lr"),
+    (SFTConfig, ["--lr", "0"], "lr"),
+    (SFTConfig, ["--overlong", "x"], "overlong"),
+    (SFTConfig, ["--lr_schedule", "step"], "lr_schedule"),
+    (SFTConfig, ["--warmup_ratio", "1"], "warmup_ratio"),
+    (SFTConfig, ["--batch_size", "0"], "batch_size"),
+    (SFTConfig, ["--max_length", "1"], "max_length"),
+    (SFTConfig, ["--dtype", "int8"], "dtype"),
+    (SFTConfig, ["--max_grad_norm", "-1"], "max_grad_norm"),
+    (SFTConfig, ["--epochs", "0"], "epochs"),
+    (DPOConfig, ["--loss_type", "bogus"], "loss_type"),
+    (DPOConfig, ["--beta", "0"], "beta"),
+    (DPOConfig, ["--label_smoothing", "0.5"], "label_smoothing"),
+    (RMConfig, ["--center_coef", "-0.1"], "center_coef"),
+])
+def test_bad_values(cls, args, what):
+    with pytest.raises(ConfigError, match=what):
+        config.load(cls, None, args)
+
+
+def test_epochs_zero_ok_with_max_steps():
+    assert config.load(SFTConfig, None, ["--epochs", "0", "--max_steps", "3"]).max_steps == 3
+
+
+@pytest.mark.parametrize("text", ["- a\n- b\n", "just a string\n", "3\n"])
+def test_yaml_not_a_mapping(tmp_path, text):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match="mapping"):
+        config.load(SFTConfig, str(path))
+
+
+def test_empty_yaml_is_defaults(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("")
+    assert config.load(SFTConfig, str(path)) == SFTConfig()
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        config.load(SFTConfig, str(tmp_path / "nope.yaml"))
+
+
+@pytest.mark.parametrize("args", [["lr", "1"], ["--lr"], ["--lr", "--seed", "1"], ["--"]])
+def test_malformed_overrides(args):
+    with pytest.raises(ConfigError):
+        config.parse_overrides(args)
+
+
+def test_parse_overrides():
+    assert config.parse_overrides(["--lr", "1e-5", "--beta=0.1", "--data=a=b"]) == {
+        "lr": "1e-5", "beta": "0.1", "data": "a=b"}
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_field_docs_cover_every_field(cls):
+    docs = config.field_docs(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    assert set(names) <= set(docs)
+    assert all(docs[n].strip() for n in names)
+
+
+def test_field_docs_text():
+    docs = config.field_docs(DPOConfig)
+    assert docs["beta"] == "β: strength of the implicit KL constraint."
+    assert docs["lr"] == "Peak learning rate (AdamW)."  # inherited from TrainConfig
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_dump_load_round_trip(tmp_path, cls):
+    cfg = cls(lr=3e-5, data="d.jsonl", seed=7, tensorboard=False, max_steps=11,
+              warmup_ratio=0.0)
+    if cls is DPOConfig:
+        cfg.ref_model, cfg.loss_type, cfg.precompute_ref = "ref", "hinge", False
+    path = tmp_path / "c.yaml"
+    config.dump(cfg, path)
+    assert config.load(cls, str(path)) == cfg

@@ -1,0 +1,206 @@
+"""Model loading, completion log-probabilities, sequence scores and saving."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+)
+
+from posttrain.data import pad_sequences
+from posttrain.modeling import (
+    completion_logprobs,
+    load_causal_lm,
+    load_reward_model,
+    load_tokenizer,
+    save_model,
+    sequence_scores,
+)
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    return load_tokenizer(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_model_dir):
+    return load_causal_lm(tiny_model_dir, device="cpu").eval()
+
+
+@pytest.fixture(scope="module")
+def rm(tiny_model_dir, tok):
+    torch.manual_seed(0)
+    model = load_reward_model(tiny_model_dir, tok, device="cpu").eval()
+    with torch.no_grad():  # a head large enough that scores differ visibly between inputs
+        model.score.weight.normal_(0, 1.0)
+    return model
+
+
+def random_batch(seed: int, lengths: list[tuple[int, int]], vocab: int = 259):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, vocab, (p,), generator=g).tolist() for p, _ in lengths]
+    comps = [torch.randint(3, vocab, (c,), generator=g).tolist() for _, c in lengths]
+    return prompts, comps, pad_sequences(prompts, comps, pad_id=0)
+
+
+def naive_logprobs(model, batch):
+    """The full-logits path: log-softmax everywhere, gather the next token, mask."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    lp = logits[:, :-1].log_softmax(-1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+    return lp * batch["loss_mask"][:, 1:]
+
+
+def test_load_tokenizer_pad(tok):
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
+
+
+def test_completion_logprobs_matches_naive(lm):
+    _, _, batch = random_batch(0, [(3, 4), (5, 2), (1, 6)])  # right padding on rows 0 and 1
+    with torch.no_grad():
+        got = completion_logprobs(lm, **batch)
+        want = naive_logprobs(lm, batch)
+    assert got.shape == (3, batch["input_ids"].shape[1] - 1)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # zero exactly off the completion positions, non-zero on them
+    target = batch["loss_mask"][:, 1:].bool()
+    assert torch.all(got[~target] == 0)
+    assert torch.all(got[target] < 0)
+
+
+def test_completion_logprobs_gradient_matches_naive(lm):
+    _, _, batch = random_batch(1, [(2, 3), (4, 2)])
+    params = [p for p in lm.parameters()]
+    g1 = torch.autograd.grad(completion_logprobs(lm, **batch).sum(), params)
+    g2 = torch.autograd.grad(naive_logprobs(lm, batch).sum(), params)
+    for a, b in zip(g1, g2, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_completion_logprobs_independent_of_right_padding(lm):
+    prompts, comps, batch = random_batch(2, [(3, 2), (6, 5)])
+    with torch.no_grad():
+        both = completion_logprobs(lm, **batch)
+        alone = completion_logprobs(lm, **pad_sequences(prompts[:1], comps[:1], 0))
+    torch.testing.assert_close(both[0, : alone.shape[1]], alone[0], atol=1e-5, rtol=1e-5)
+    assert torch.all(both[0, alone.shape[1]:] == 0)
+
+
+def test_completion_logprobs_non_plain_head_path(lm, monkeypatch):
+    """A soft-capped head takes the full-logits branch; with no capping it agrees."""
+    _, _, batch = random_batch(3, [(2, 3), (4, 2)])
+    with torch.no_grad():
+        fast = completion_logprobs(lm, **batch)
+        monkeypatch.setattr("posttrain.modeling._plain_head", lambda model: False)
+        slow = completion_logprobs(lm, **batch)
+    torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
+
+
+def test_sequence_scores_reads_last_real_token(rm):
+    g = torch.Generator().manual_seed(4)
+    seqs = [torch.randint(3, 259, (n,), generator=g).tolist() for n in (3, 5, 2)]
+    with torch.no_grad():
+        alone = torch.stack([sequence_scores(rm, torch.tensor([s]), torch.ones(1, len(s),
+                                                                             dtype=torch.long))[0]
+                             for s in seqs])
+        # the head applied by hand to the last hidden state of each unpadded sequence
+        by_hand = torch.stack([rm.score(rm.model(input_ids=torch.tensor([s])).last_hidden_state
+                                        [0, -1]).squeeze() for s in seqs])
+        T = 5
+        right = torch.zeros(3, T, dtype=torch.long)
+        right_mask = torch.zeros(3, T, dtype=torch.long)
+        left = torch.zeros(3, T, dtype=torch.long)
+        left_mask = torch.zeros(3, T, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            right[i, : len(s)] = torch.tensor(s)
+            right_mask[i, : len(s)] = 1
+            left[i, T - len(s):] = torch.tensor(s)
+            left_mask[i, T - len(s):] = 1
+        r = sequence_scores(rm, right, right_mask)
+        lft = sequence_scores(rm, left, left_mask)
+    assert len(set(alone.tolist())) == 3  # the scores tell the sequences apart
+    torch.testing.assert_close(alone, by_hand, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(r, alone, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lft, alone, atol=1e-5, rtol=1e-5)
+
+
+def test_sequence_scores_padding_amount_does_not_matter(rm):
+    s = [10, 20, 30, 40]
+    scores = []
+    with torch.no_grad():
+        for extra in (0, 1, 4):
+            ids = torch.tensor([s + [2] * extra])  # pad with eos: the mask, not the id, decides
+            mask = torch.tensor([[1] * len(s) + [0] * extra])
+            scores.append(float(sequence_scores(rm, ids, mask)[0]))
+    assert scores[1] == pytest.approx(scores[0], abs=1e-5)
+    assert scores[2] == pytest.approx(scores[0], abs=1e-5)
+
+
+def test_save_model_reloads_with_plain_transformers(lm, tok, tmp_path):
+    save_model(lm, tok, tmp_path / "out")
+    files = {p.name for p in (tmp_path / "out").iterdir()}
+    assert "model.safetensors" in files
+    assert not any(f.endswith((".bin", ".pt", ".pth", ".pkl")) for f in files)
+    model2 = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    tok2 = AutoTokenizer.from_pretrained(tmp_path / "out")
+    _, _, batch = random_batch(5, [(3, 4), (2, 2)])
+    with torch.no_grad():
+        a = lm(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        b = model2(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    assert torch.equal(a, b)
+    text = "12+34=46"
+    assert tok2(text)["input_ids"] == tok(text)["input_ids"]
+    assert (tok2.pad_token_id, tok2.eos_token_id) == (tok.pad_token_id, tok.eos_token_id)
+
+
+def test_reward_model_save_reload(rm, tok, tmp_path):
+    save_model(rm, tok, tmp_path / "rm")
+    assert (tmp_path / "rm" / "model.safetensors").exists()
+    rm2 = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm").eval()
+    assert rm2.config.num_labels == 1
+    assert rm2.config.pad_token_id == tok.pad_token_id
+    assert torch.equal(rm2.score.weight, rm.score.weight)
+    _, _, batch = random_batch(6, [(3, 4), (2, 2), (5, 1)])
+    with torch.no_grad():
+        a = sequence_scores(rm, batch["input_ids"], batch["attention_mask"])
+        b = sequence_scores(rm2, batch["input_ids"], batch["attention_mask"])
+        # plain transformers' own forward (it finds the last non-pad token by pad id)
+        c = rm2(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-6)  # same up to float rounding
+    torch.testing.assert_close(c.squeeze(-1), a, atol=1e-5, rtol=1e-5)
+
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "  leading and trailing spaces  ",
+    "line one\nline two\n\n\ttabbed\r\nwindows",
+    "naïve café, Grüße, 日本語, emoji 🙂, ½ €",
+    "a  b   c",
+]
+
+
+def test_byte_tokenizer_round_trip_after_save(tok, tmp_path):
+    tok.save_pretrained(tmp_path / "tok")
+    tok2 = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    for t in TEXTS:
+        ids = tok2(t, add_special_tokens=False)["input_ids"]
+        assert ids == [3 + b for b in t.encode("utf-8")]  # one token per byte
+        assert tok2.decode(ids) == t
+        assert tok.decode(ids) == t
+    with_eos = tok2("hi", add_special_tokens=False)["input_ids"] + [tok2.eos_token_id]
+    assert tok2.decode(with_eos, skip_special_tokens=True) == "hi"
+    assert len(tok2) == 259
+
+
+def test_builtin_missing_model_message(monkeypatch, tmp_path):
+    import posttrain.modeling as modeling
+
+    monkeypatch.setattr(modeling, "builtin_model_dir", lambda: Path(tmp_path / "none"))
+    with pytest.raises(FileNotFoundError, match="rebuild"):
+        modeling.resolve("builtin")
+    assert modeling.resolve("some/hub-id") == "some/hub-id"
