@@ -4,7 +4,7 @@
 - DPO: held-out implicit-reward accuracy (target ≥ 0.90) and the greedy task accuracy of
   the policy before and after (target: +10 points).
 
-Usage: python benchmarks/offline_targets.py [--out runs/bench-offline] [--rm-steps N] [--dpo-steps N]
+Usage: python benchmarks/offline_targets.py [--out DIR] [--rm-steps N] [--dpo-steps N]
 Prints one JSON object with the figures and the wall time of each run.
 """
 
