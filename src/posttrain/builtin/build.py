@@ -1,13 +1,13 @@
 """Build the built-in default model from scratch, deterministically.
 
-A tiny Llama (about 1.9M parameters) with the byte-level tokenizer is initialised from a
+A tiny Llama (0.85M parameters: hidden 128, 4 layers, 4 heads) with the byte-level tokenizer is initialised from a
 fixed seed and trained with posttrain's own SFT trainer on the built-in addition task's
 flawed demonstrations until it plateaus (see ``posttrain.builtin.task``). The result is what
 ``--model builtin`` loads; this script is how it was made:
 
     python -m posttrain.builtin.build [--out DIR] [--steps N]
 
-On two CPU cores it takes several minutes; the shipped copy saves users that time.
+The loss falls in a phase transition between steps 500 and 1000 and then creeps to the\nfloor set by the flawed demonstrations. On two CPU cores it takes about five minutes; the\nshipped copy (3.4 MB) saves users that time.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from posttrain.builtin.tokenizer import build_tokenizer
 
 ARCH = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=4, max_position_embeddings=64, tie_word_embeddings=True)
-SFT = dict(lr=3e-3, batch_size=256, max_steps=3000, warmup_ratio=0.02, lr_schedule="cosine",
-           weight_decay=0.01, builtin_train_size=100_000, builtin_eval_size=1000,
+SFT = dict(lr=2e-3, batch_size=128, max_steps=2000, warmup_ratio=0.02, lr_schedule="cosine",
+           weight_decay=0.01, builtin_train_size=50_000, builtin_eval_size=1000,
            log_every=100, eval_every=500, max_length=32, seed=0)
 
 
