@@ -1,5 +1,7 @@
 """Measure the offline targets on the built-in model and task:
 
+Settings: configs/builtin/rm.yaml and configs/builtin/dpo.yaml (run from the repository root).
+
 - reward model: held-out pairwise accuracy (target ≥ 0.90);
 - DPO: held-out implicit-reward accuracy (target ≥ 0.90) and the greedy task accuracy of
   the policy before and after (target: +10 points).
@@ -15,6 +17,7 @@ import json
 import sys
 import time
 
+from posttrain import config
 from posttrain.builtin import task
 from posttrain.evaluate import evaluate_policy
 from posttrain.modeling import load_causal_lm, load_tokenizer
@@ -38,16 +41,16 @@ def main() -> int:
     result = {}
 
     t0 = time.perf_counter()
-    rm = RMConfig(output_dir=f"{args.out}/rm", max_steps=args.rm_steps, device="cpu")
-    rm.validate()
+    rm = config.load(RMConfig, "configs/builtin/rm.yaml",
+                     [f"--output_dir={args.out}/rm", f"--max_steps={args.rm_steps}"])
     m = run_rm(rm)
     result["rm"] = {"eval_accuracy": m["eval/accuracy"], "eval_margin": m["eval/margin"],
                     "seconds": time.perf_counter() - t0}
 
     before = greedy_accuracy("builtin", args.n_eval)
     t0 = time.perf_counter()
-    dpo = DPOConfig(output_dir=f"{args.out}/dpo", max_steps=args.dpo_steps, device="cpu")
-    dpo.validate()
+    dpo = config.load(DPOConfig, "configs/builtin/dpo.yaml",
+                      [f"--output_dir={args.out}/dpo", f"--max_steps={args.dpo_steps}"])
     m = run_dpo(dpo)
     seconds = time.perf_counter() - t0
     after = greedy_accuracy(f"{args.out}/dpo/final", args.n_eval)

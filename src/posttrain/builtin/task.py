@@ -16,8 +16,8 @@ The answer is verifiable, so the task serves every stage of a pipeline:
   the share of carry-free problems (30%) and more SFT on the same data cannot fix it. A
   sampled answer is still right about ``1 - flaw_rate`` of the time per carry, which is the
   signal RL with a verifiable reward needs.
-- **Preference pairs**: chosen = the right sum, rejected = the no-carry answer where it
-  differs, else a near miss (one digit changed).
+- **Preference pairs**: chosen = the right sum, rejected = the same sum with the carry
+  mishandled: dropped where there is one, added where there is none.
 - **RL prompts** with their answers, and :func:`reward` to score completions.
 
 Train and held-out problems are disjoint: a fixed hash of ``(a, b)`` puts one in ten
@@ -58,14 +58,14 @@ def is_held_out(a: int, b: int) -> bool:
     return zlib.crc32(f"{a}+{b}".encode()) % 10 == 0
 
 
-def _problems(n: int, split: str, seed: int):
+def _problems(n: int, split: str, seed: int, carry_share: float = CARRY_SHARE):
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     rng = random.Random(f"{seed}-{split}")
     want_eval = split == "eval"
     out = []
     while len(out) < n:
-        want_carry = rng.random() < CARRY_SHARE
+        want_carry = rng.random() < carry_share
         while True:
             a, b = rng.randint(MIN_OPERAND, MAX_OPERAND), rng.randint(MIN_OPERAND, MAX_OPERAND)
             if has_carry(a, b) == want_carry and is_held_out(a, b) == want_eval:
@@ -86,21 +86,18 @@ def sft_rows(n: int, split: str = "train", seed: int = 0, flaw_rate: float = 0.6
     return rows
 
 
-def _near_miss(a: int, b: int, rng: random.Random) -> str:
-    right = answer_text(a, b)
-    i = rng.randrange(len(right))
-    choices = [d for d in "0123456789" if d != right[i] and not (i == 0 and d == "0"
-                                                                  and len(right) > 1)]
-    return right[:i] + rng.choice(choices) + right[i + 1:]
+def phantom_carry_answer(a: int, b: int) -> str:
+    """The opposite mistake on a carry-free problem: a carry into the tens that isn't there."""
+    return str(a + b + 10)
 
 
 def preference_rows(n: int, split: str = "train", seed: int = 0) -> list[dict]:
-    """Prompt/chosen/rejected pairs: rejected is the no-carry answer when it is wrong, else
-    a near miss."""
-    rng = random.Random(f"{seed}-pairs")
+    """Prompt/chosen/rejected pairs that contrast the right and the wrong handling of the
+    carry: rejected is the no-carry answer on carry problems and a phantom carry on
+    carry-free ones (so preference training cannot get away with "always add a carry")."""
     rows = []
     for a, b in _problems(n, split, seed + 1):
-        rejected = no_carry_answer(a, b) if has_carry(a, b) else _near_miss(a, b, rng)
+        rejected = no_carry_answer(a, b) if has_carry(a, b) else phantom_carry_answer(a, b)
         rows.append({"prompt": prompt_text(a, b), "chosen": answer_text(a, b),
                      "rejected": rejected})
     return rows
