@@ -1,13 +1,16 @@
 """Build the built-in default model from scratch, deterministically.
 
-A tiny Llama (0.85M parameters: hidden 128, 4 layers, 4 heads) with the byte-level tokenizer is initialised from a
-fixed seed and trained with posttrain's own SFT trainer on the built-in addition task's
-flawed demonstrations until it plateaus (see ``posttrain.builtin.task``). The result is what
-``--model builtin`` loads; this script is how it was made:
+A tiny Llama (0.85M parameters: hidden 128, 4 layers, 4 heads, tied embeddings) with the
+byte-level tokenizer is initialised from a fixed seed and trained with posttrain's own SFT
+trainer on the built-in addition task's flawed demonstrations until it plateaus (see
+``posttrain.builtin.task``). The result is what ``--model builtin`` loads; this script is how
+it was made:
 
     python -m posttrain.builtin.build [--out DIR] [--steps N]
 
-The loss falls in a phase transition between steps 500 and 1000 and then creeps to the\nfloor set by the flawed demonstrations. On two CPU cores it takes about five minutes; the\nshipped copy (3.4 MB) saves users that time.
+The loss falls in a phase transition between steps 500 and 1000, then creeps to the floor
+set by the flawed demonstrations (0.133 nats per completion token). On two CPU cores it
+takes about five minutes; the shipped copy (3.4 MB) saves users that time.
 """
 
 from __future__ import annotations
