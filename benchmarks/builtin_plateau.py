@@ -37,6 +37,7 @@ def main() -> int:
     p.add_argument("--work", default=None)
     args = p.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="posttrain-plateau-"))
+    work.mkdir(parents=True, exist_ok=True)
     start = accuracy("builtin", args.n_eval)
     curves = {}
     for name, flaw_rate in (("same flawed demonstrations", None), ("clean demonstrations", 0.0)):
