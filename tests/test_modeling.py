@@ -96,7 +96,7 @@ def test_completion_logprobs_non_plain_head_path(lm, monkeypatch):
     _, _, batch = random_batch(3, [(2, 3), (4, 2)])
     with torch.no_grad():
         fast = completion_logprobs(lm, **batch)
-        monkeypatch.setattr("posttrain.modeling._plain_head", lambda model: False)
+        monkeypatch.setattr("posttrain.modeling.has_plain_head", lambda model: False)
         slow = completion_logprobs(lm, **batch)
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
 
@@ -204,3 +204,46 @@ def test_builtin_missing_model_message(monkeypatch, tmp_path):
     with pytest.raises(FileNotFoundError, match="rebuild"):
         modeling.resolve("builtin")
     assert modeling.resolve("some/hub-id") == "some/hub-id"
+
+
+def test_shared_prompt_logprobs_equal_full_sequences(tiny_model_dir):
+    """Running each prompt once for its k=2 completions (left-padded prompts, right-padded
+    completions) gives the same per-sequence log-likelihoods and parameter gradients as the
+    concatenated full sequences."""
+    import torch
+
+    from posttrain.data import pad_sequences, pad_shared_prompts
+    from posttrain.modeling import completion_logprobs, load_causal_lm, shared_prompt_logprobs
+
+    model = load_causal_lm(tiny_model_dir, device="cpu")
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    completions = [[20, 21], [22], [23, 24, 25], [30], [31, 32, 33], [34, 35]]
+    shared = pad_shared_prompts(prompts, completions, 0)
+    full = pad_sequences(prompts * 2, completions, 0)
+
+    model.zero_grad()
+    a = shared_prompt_logprobs(model, shared["prompt_ids"], shared["prompt_mask"],
+                               shared["completion_ids"], shared["completion_mask"]).sum(-1)
+    a.sum().backward()
+    grads_a = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    b = completion_logprobs(model, full["input_ids"], full["attention_mask"],
+                            full["loss_mask"]).sum(-1)
+    b.sum().backward()
+    grads_b = [p.grad.clone() for p in model.parameters()]
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for ga, gb in zip(grads_a, grads_b, strict=True):
+        torch.testing.assert_close(ga, gb, rtol=1e-4, atol=1e-5)
+
+
+def test_pad_shared_prompts_layout():
+    """Prompts left-padded once; completions right-padded in blocks."""
+    import torch
+
+    from posttrain.data import pad_shared_prompts
+
+    out = pad_shared_prompts([[1, 2], [3]], [[4], [5, 6], [7, 8], [9]], 0)
+    assert out["prompt_ids"].tolist() == [[1, 2], [0, 3]]
+    assert out["prompt_mask"].tolist() == [[1, 1], [0, 1]]
+    assert out["completion_ids"].tolist() == [[4, 0], [5, 6], [7, 8], [9, 0]]
+    assert torch.equal(out["completion_mask"], torch.tensor([[1, 0], [1, 1], [1, 1], [1, 0]]))

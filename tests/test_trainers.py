@@ -231,3 +231,27 @@ def test_grad_accum_changes_nothing_in_the_gradient(tiny_model_dir, tmp_path, mo
     assert (params[0] - start).abs().max() > 1e-3
     torch.testing.assert_close(params[1], params[0], atol=1e-6, rtol=0)
     torch.testing.assert_close(params[2], params[0], atol=1e-6, rtol=0)
+
+
+def test_dpo_shared_prompt_matches_full_sequences(tiny_model_dir, tmp_path):
+    """DPO with the prompt run once per pair logs the same losses as with two full
+    sequences per pair (reference forward every step in both)."""
+    import json
+
+    from posttrain.trainers.offline import DPOConfig, run_dpo
+
+    losses = {}
+    for share in (True, False):
+        cfg = DPOConfig(model=tiny_model_dir, output_dir=str(tmp_path / str(share)),
+                        max_steps=3, batch_size=4, log_every=1, device="cpu", lr=1e-2,
+                        builtin_train_size=32, builtin_eval_size=8, precompute_ref=False,
+                        share_prompt=share, tensorboard=False, warmup_ratio=0.0)
+        cfg.validate()
+        run_dpo(cfg)
+        rows = [json.loads(x) for x in (tmp_path / str(share) / "metrics.jsonl").read_text()
+                .splitlines() if '"train/loss"' in x]
+        losses[share] = [r["train/loss"] for r in rows]
+    assert len(losses[True]) == 3
+    for a, b in zip(losses[True], losses[False], strict=True):
+        assert abs(a - b) < 1e-4, losses
+    assert losses[True][0] != losses[True][2]  # the policy moved, so later steps test it

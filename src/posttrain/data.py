@@ -285,3 +285,24 @@ def pad_sequences(prompts: list[list[int]], completions: list[list[int]], pad_id
         attention_mask[i, :n] = 1
         loss_mask[i, len(p):n] = 1
     return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+
+
+def pad_shared_prompts(prompts: list[list[int]], completions: list[list[int]], pad_id: int
+                       ) -> dict[str, torch.Tensor]:
+    """Prompts once, left-padded ``(B, Lp)``, and their completions in blocks, right-padded
+    ``(k·B, Lc)`` (rows ``j·B + i`` belong to prompt ``i``): the layout of
+    :func:`posttrain.modeling.shared_prompt_logprobs`."""
+    B, Lp = len(prompts), max(len(p) for p in prompts)
+    prompt_ids = torch.full((B, Lp), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros(B, Lp, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        prompt_ids[i, Lp - len(p):] = torch.tensor(p)
+        prompt_mask[i, Lp - len(p):] = 1
+    Lc = max(len(c) for c in completions)
+    completion_ids = torch.full((len(completions), Lc), pad_id, dtype=torch.long)
+    completion_mask = torch.zeros(len(completions), Lc, dtype=torch.long)
+    for i, c in enumerate(completions):
+        completion_ids[i, :len(c)] = torch.tensor(c)
+        completion_mask[i, :len(c)] = 1
+    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
+            "completion_ids": completion_ids, "completion_mask": completion_mask}

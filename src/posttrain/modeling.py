@@ -8,6 +8,8 @@ loads.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     AutoTokenizer,
+    DynamicCache,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
@@ -78,7 +81,7 @@ def load_reward_model(name: str, tokenizer: PreTrainedTokenizerBase, dtype: str 
     return model.to(pick_device(device))
 
 
-def _plain_head(model: PreTrainedModel) -> bool:
+def has_plain_head(model: PreTrainedModel) -> bool:
     """Whether logits are exactly ``lm_head(last_hidden_state)`` (no soft-capping/scaling),
     so we may apply the head to the positions we need only."""
     cfg = model.config
@@ -97,7 +100,7 @@ def completion_logprobs(model: PreTrainedModel, input_ids: torch.Tensor,
     """
     target = loss_mask[:, 1:].bool()  # (B, T-1)
     labels = input_ids[:, 1:][target]  # (N,)
-    if _plain_head(model):
+    if has_plain_head(model):
         hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
                                   use_cache=False).last_hidden_state  # (B, T, H)
         logits = model.get_output_embeddings()(hidden[:, :-1][target])  # (N, V)
@@ -105,6 +108,58 @@ def completion_logprobs(model: PreTrainedModel, input_ids: torch.Tensor,
         logits = model(input_ids=input_ids, attention_mask=attention_mask,
                        use_cache=False).logits[:, :-1][target]
     lp = token_logprobs(logits, labels)  # (N,)
+    out = torch.zeros(target.shape, dtype=lp.dtype, device=lp.device)
+    return out.masked_scatter(target, lp)
+
+
+@functools.cache
+def _cache_kwarg_for(cls: type) -> str:
+    params = inspect.signature(cls.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def cache_kwarg(module: torch.nn.Module) -> str:
+    """Name of the KV-cache argument of ``module.forward``: transformers ≥ 5.24 renamed
+    ``past_key_values`` to ``cache``; older releases know only the former."""
+    return _cache_kwarg_for(type(module))
+
+
+def shared_prompt_logprobs(model: PreTrainedModel, prompt_ids: torch.Tensor,
+                           prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
+                           completion_mask: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities of ``k`` completions per prompt with the prompt run once.
+
+    ``prompt_ids``/``prompt_mask`` are ``(B, Lp)``, *left*-padded; ``completion_ids``/
+    ``completion_mask`` are ``(k·B, Lc)``, right-padded, in blocks: rows ``j·B + i`` are
+    completions of prompt ``i``. Returns ``(k·B, Lc)``: entry ``t`` is
+    ``log π(completion[t] | prompt, completion[<t])``, 0 where the mask is 0.
+
+    The prompt's keys and values are computed once and shared (with gradient) by its ``k``
+    completions, so for DPO (k = 2) the prompt tokens cost one forward and backward instead
+    of two. Equals :func:`completion_logprobs` on the concatenated sequences.
+    """
+    if not has_plain_head(model):
+        raise ValueError("shared_prompt_logprobs needs logits = lm_head(hidden states)")
+    B = prompt_ids.shape[0]
+    k = completion_ids.shape[0] // B
+    rows = torch.arange(B, device=prompt_ids.device).repeat(k)  # (kB,) prompt of each row
+    positions = (prompt_mask.cumsum(-1) - 1).clamp_min(0)
+    cache = DynamicCache()
+    kw = cache_kwarg(model.base_model)
+    h_prompt = model.base_model(input_ids=prompt_ids, attention_mask=prompt_mask,
+                                position_ids=positions, use_cache=True,
+                                **{kw: cache}).last_hidden_state[:, -1]  # (B, H)
+    cache.batch_select_indices(rows)
+    Lc = completion_ids.shape[1]
+    c_positions = positions[rows, -1:] + 1 + torch.arange(Lc, device=positions.device)
+    h_comp = model.base_model(input_ids=completion_ids,
+                              attention_mask=torch.cat([prompt_mask[rows], completion_mask], 1),
+                              position_ids=c_positions, use_cache=True,
+                              **{kw: cache}).last_hidden_state  # (kB, Lc, H)
+    # token t of a completion is predicted from the hidden state before it
+    h = torch.cat([h_prompt[rows].unsqueeze(1), h_comp[:, :-1]], dim=1)  # (kB, Lc, H)
+    target = completion_mask.bool()
+    lp = token_logprobs(model.get_output_embeddings()(h[target]), completion_ids[target])
     out = torch.zeros(target.shape, dtype=lp.dtype, device=lp.device)
     return out.masked_scatter(target, lp)
 

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from posttrain.modeling import cache_kwarg
+
 
 @dataclass
 class SamplingParams:
@@ -115,8 +117,9 @@ def generate(model, tokenizer, prompts: list[str], n: int = 1,
     was_training = model.training
     model.eval()
     cache = DynamicCache()
+    kw = cache_kwarg(model)
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                past_key_values=cache, use_cache=True, logits_to_keep=1)
+                use_cache=True, logits_to_keep=1, **{kw: cache})
     logits = out.logits[:, -1].repeat_interleave(n, dim=0)  # (N, V)
     cache.batch_repeat_interleave(n)
     mask = mask.repeat_interleave(n, dim=0)
@@ -150,7 +153,7 @@ def generate(model, tokenizer, prompts: list[str], n: int = 1,
                                            next_pos[keep_idx])
         mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1)
         out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
-                    past_key_values=cache, use_cache=True)
+                    use_cache=True, **{kw: cache})
         logits = out.logits[:, -1]
         next_pos = next_pos + 1
     model.train(was_training)

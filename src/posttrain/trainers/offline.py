@@ -20,10 +20,12 @@ from posttrain.core import bradley_terry_loss, dpo_loss
 from posttrain.core.preference import DPO_LOSS_TYPES
 from posttrain.modeling import (
     completion_logprobs,
+    has_plain_head,
     load_causal_lm,
     load_reward_model,
     load_tokenizer,
     sequence_scores,
+    shared_prompt_logprobs,
 )
 from posttrain.trainers.base import Trainer, seed_everything
 
@@ -71,6 +73,9 @@ class DPOConfig(TrainConfig):
     """Reference policy; none = the starting model."""
     precompute_ref: bool = True
     """Compute the reference log-likelihoods once before training and free the reference."""
+    share_prompt: bool = True
+    """Run each prompt once for both its completions (its keys and values are shared, with
+    gradient); false = two full sequences per pair."""
 
     def validate(self) -> None:
         super().validate()
@@ -95,11 +100,16 @@ def _splits(cfg: TrainConfig, kind: str, builtin_rows):
     return name, train, eval_name, held
 
 
-def _pair_batch(examples: list[data_mod.Encoded], pad_id: int) -> dict:
-    """Chosen rows first, then rejected: ``(2B, T)`` tensors."""
-    prompts = [e.prompt for e in examples] * 2
+def _pair_batch(examples: list[data_mod.Encoded], pad_id: int, share_prompt: bool = False
+                ) -> dict:
+    """Chosen rows first, then rejected: ``(2B, T)`` full sequences, or with ``share_prompt``
+    the ``(B, Lp)`` prompts and ``(2B, Lc)`` completions."""
+    prompts = [e.prompt for e in examples]
     completions = [e.completions[0] for e in examples] + [e.completions[1] for e in examples]
-    batch = data_mod.pad_sequences(prompts, completions, pad_id)
+    if share_prompt:
+        batch = data_mod.pad_shared_prompts(prompts, completions, pad_id)
+    else:
+        batch = data_mod.pad_sequences(prompts * 2, completions, pad_id)
     batch["n_pairs"] = len(examples)
     return batch
 
@@ -152,6 +162,7 @@ class DPOTrainer(Trainer):
     def __init__(self, cfg, model, tokenizer, train_examples, eval_examples, ref_model):
         super().__init__(cfg, model, tokenizer, train_examples, eval_examples)
         self.ref_model = ref_model.eval().requires_grad_(False)
+        self.share_prompt = cfg.share_prompt and has_plain_head(model)
         if cfg.precompute_ref:
             for examples in (self.train_examples, self.eval_examples):
                 self._cache_reference(examples)
@@ -161,19 +172,30 @@ class DPOTrainer(Trainer):
     def _cache_reference(self, examples):
         for i in range(0, len(examples), self.cfg.eval_batch_size):
             chunk = examples[i:i + self.cfg.eval_batch_size]
-            batch = self.to_device(_pair_batch(chunk, self.tokenizer.pad_token_id))
+            batch = self.to_device(self.collate(chunk, with_ref=False))
             ref = self._sequence_logps(self.ref_model, batch).cpu()
             for j, e in enumerate(chunk):
                 e.ref_logps = (float(ref[j]), float(ref[len(chunk) + j]))
 
-    def _sequence_logps(self, model, batch) -> torch.Tensor:
-        lp = completion_logprobs(model, batch["input_ids"], batch["attention_mask"],
-                                 batch["loss_mask"])
+    @staticmethod
+    def _sequence_logps(model, batch) -> torch.Tensor:
+        if "prompt_ids" in batch:
+            lp = shared_prompt_logprobs(model, batch["prompt_ids"], batch["prompt_mask"],
+                                        batch["completion_ids"], batch["completion_mask"])
+        else:
+            lp = completion_logprobs(model, batch["input_ids"], batch["attention_mask"],
+                                     batch["loss_mask"])
         return lp.sum(-1)  # (2B,)
 
-    def collate(self, examples):
-        batch = _pair_batch(examples, self.tokenizer.pad_token_id)
-        if self.cfg.precompute_ref:
+    @staticmethod
+    def _lengths(batch) -> torch.Tensor:
+        if "completion_mask" in batch:
+            return batch["completion_mask"].sum(-1)
+        return batch["loss_mask"][:, 1:].sum(-1)
+
+    def collate(self, examples, with_ref: bool = True):
+        batch = _pair_batch(examples, self.tokenizer.pad_token_id, self.share_prompt)
+        if with_ref and self.cfg.precompute_ref:
             batch["ref_logps"] = torch.tensor([e.ref_logps[0] for e in examples]
                                               + [e.ref_logps[1] for e in examples])
         return batch
@@ -189,7 +211,7 @@ class DPOTrainer(Trainer):
         else:
             with torch.no_grad():
                 ref = self._sequence_logps(self.ref_model, batch)
-        lengths = batch["loss_mask"][:, 1:].sum(-1)
+        lengths = self._lengths(batch)
         loss, m = dpo_loss(logps[:n], logps[n:], ref[:n], ref[n:], self.cfg.beta,
                            self.cfg.loss_type, self.cfg.label_smoothing,
                            chosen_lengths=lengths[:n], rejected_lengths=lengths[n:])
