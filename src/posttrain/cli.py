@@ -1,6 +1,6 @@
 """The ``posttrain`` command line.
 
-    posttrain sft|rm|dpo [--config FILE.yaml] [--key value ...]
+    posttrain sft|rm|dpo|grpo [--config FILE.yaml] [--key value ...]
     posttrain eval --model DIR [--task builtin | --data FILE --reward module:function]
     posttrain demo
 
@@ -19,11 +19,20 @@ from posttrain import __version__
 
 COMMANDS = {
     "sft": ("supervised fine-tuning on prompt/completion or chat data",
-            "SFTConfig", "run_sft"),
-    "rm": ("Bradley–Terry reward model on preference pairs", "RMConfig", "run_rm"),
-    "dpo": ("direct preference optimisation against a frozen reference", "DPOConfig",
-            "run_dpo"),
+            "offline", "SFTConfig", "run_sft"),
+    "rm": ("Bradley–Terry reward model on preference pairs", "offline", "RMConfig", "run_rm"),
+    "dpo": ("direct preference optimisation against a frozen reference", "offline",
+            "DPOConfig", "run_dpo"),
+    "grpo": ("on-policy RL with a verifiable reward: --algo grpo, dapo, gspo, gspo_token, "
+             "dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline", "online", "RLConfig",
+             "run_rl"),
 }
+
+
+def _trainer(module: str, name: str):
+    import importlib
+
+    return getattr(importlib.import_module(f"posttrain.trainers.{module}"), name)
 
 
 def _config_help(cls) -> str:
@@ -39,8 +48,6 @@ def _config_help(cls) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from posttrain.trainers import offline
-
     parser = argparse.ArgumentParser(
         prog="posttrain",
         description="Post-training for causal language models: SFT, reward models, DPO, "
@@ -48,9 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"posttrain {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (help_text, cls_name, _) in COMMANDS.items():
+    for name, (help_text, module, cls_name, _) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text,
-                           epilog=_config_help(getattr(offline, cls_name)),
+                           epilog=_config_help(_trainer(module, cls_name)),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("--config", help="YAML file of config keys")
     ev = sub.add_parser("eval", help="greedy accuracy and mean reward of a model, as JSON")
@@ -112,14 +119,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command in COMMANDS:
             from posttrain import config
-            from posttrain.trainers import offline
 
-            _, cls_name, fn_name = COMMANDS[args.command]
-            cfg = config.load(getattr(offline, cls_name), args.config, rest)
+            _, module, cls_name, fn_name = COMMANDS[args.command]
+            cfg = config.load(_trainer(module, cls_name), args.config, rest)
             if cfg.output_dir is None:
-                cfg.output_dir = f"runs/{args.command}"
+                cfg.output_dir = f"runs/{getattr(cfg, 'algo', args.command)}"
             _quiet_transformers()
-            metrics = getattr(offline, fn_name)(cfg)
+            metrics = _trainer(module, fn_name)(cfg)
             print(json.dumps({"output_dir": cfg.output_dir, **{
                 k: v for k, v in metrics.items() if k.startswith("eval/")}}))
             return 0
