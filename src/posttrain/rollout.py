@@ -128,6 +128,7 @@ def generate(model, tokenizer, prompts: list[str], n: int = 1,
     tokens = torch.full((N, T), pad_id, dtype=torch.long, device=device)
     logps = torch.zeros(N, T, device=device)
     done = torch.zeros(N, dtype=torch.bool, device=device)
+    end = torch.full((N,), T - 1, dtype=torch.long, device=device)  # last step of each row
     active = torch.arange(N, device=device)  # rows still in the cache, in cache order
     stop = params.stop
     steps = 0
@@ -143,6 +144,7 @@ def generate(model, tokenizer, prompts: list[str], n: int = 1,
                     text = tokenizer.decode(tokens[row, :t + 1], skip_special_tokens=True)
                     finished[j] = any(s in text for s in stop)
         done[active[finished]] = True
+        end[active[finished]] = t
         keep = ~finished
         if not keep.any() or t == T - 1:
             break
@@ -159,12 +161,11 @@ def generate(model, tokenizer, prompts: list[str], n: int = 1,
     model.train(was_training)
 
     tokens, logps = tokens[:, :steps].cpu(), logps[:, :steps].cpu()
-    done = done.cpu()
-    # a row's completion runs up to and including its first eos (or to the end)
-    is_eos = tokens == eos_id
-    first_eos = torch.where(is_eos.any(-1), is_eos.float().argmax(-1), steps - 1)
+    done, end = done.cpu(), end.cpu().clamp_max(steps - 1)
+    # a row's completion runs up to and including the token that finished it (its first eos
+    # or the one completing a stop string), else to the end; it is pad from there on
     cols = torch.arange(steps)
-    completion_mask = (cols[None, :] <= first_eos[:, None]).long()
+    completion_mask = (cols[None, :] <= end[:, None]).long()
     if steps == 0:
         completion_mask = completion_mask[:, :0]
     tokens = tokens.masked_fill(completion_mask == 0, pad_id)

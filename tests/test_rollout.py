@@ -1,0 +1,349 @@
+"""The batched rollout sampler, each property checked against an independent computation:
+``transformers.generate`` for greedy decoding, a plain full forward (teacher forcing) for
+the sampling log-probabilities and the top-k / top-p supports, and string search for stop
+strings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from posttrain.data import pad_sequences
+from posttrain.modeling import completion_logprobs, load_causal_lm, load_tokenizer
+from posttrain.rollout import SamplingParams, generate
+
+TINY_PROMPTS = ["hello", "a", "the quick brown fox"]  # different lengths: left padding matters
+# greedy answers of the builtin model: "115", "81", "55", "101" (rows end at different steps)
+ADD_PROMPTS = ["58+67=", "40+41=", "22+33=", "12+99="]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return load_causal_lm(tiny_model_dir, device="cpu").eval(), load_tokenizer(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def builtin():
+    return load_causal_lm("builtin", device="cpu").eval(), load_tokenizer("builtin")
+
+
+def hf_greedy(model, tok, prompts: list[str], max_new_tokens: int) -> torch.Tensor:
+    """``transformers.generate`` greedy completions (left-padded prompts), ``(P, T)``."""
+    side = tok.padding_side
+    tok.padding_side = "left"
+    try:
+        enc = tok(prompts, return_tensors="pt", padding=True)
+    finally:
+        tok.padding_side = side
+    with torch.no_grad():
+        out = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens,
+                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    return out[:, enc["input_ids"].shape[1]:]
+
+
+def completions(r) -> list[list[int]]:
+    """The generated tokens of each row (mask 1), as lists."""
+    return [ids[m.bool()].tolist() for ids, m in zip(r.completion_ids, r.completion_mask,
+                                                     strict=True)]
+
+
+def teacher_logits(model, r) -> list[torch.Tensor]:
+    """Per row, the full-forward logits ``(L_i, V)`` that predict its ``L_i`` completion
+    tokens (prompt + completion, right-padded, no cache)."""
+    comps = completions(r)
+    batch = pad_sequences(r.prompt_ids, comps, pad_id=0)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"],
+                       attention_mask=batch["attention_mask"]).logits.float()
+    out = []
+    for i, (p, c) in enumerate(zip(r.prompt_ids, comps, strict=True)):
+        out.append(logits[i, len(p) - 1:len(p) + len(c) - 1])
+    return out
+
+
+def check_padding(r, pad_id: int) -> None:
+    off = r.completion_mask == 0
+    assert (r.completion_ids[off] == pad_id).all()
+    assert (r.logprobs[off] == 0).all()
+    # the mask is a prefix: ones, then zeros
+    assert (r.completion_mask[:, 1:] <= r.completion_mask[:, :-1]).all()
+
+
+# ---------------------------------------------------------------- 1. greedy = HF generate
+
+
+def test_greedy_matches_hf_generate_without_eos(tiny):
+    model, tok = tiny
+    T = 7
+    r = generate(model, tok, TINY_PROMPTS, n=1, params=SamplingParams(temperature=0,
+                                                                       max_new_tokens=T))
+    ref = hf_greedy(model, tok, TINY_PROMPTS, T)
+    assert ref.shape == (3, T) and not (ref == tok.eos_token_id).any()  # the premise
+    assert torch.equal(r.completion_ids, ref)
+    assert r.truncated.tolist() == [True] * 3
+    assert r.lengths.tolist() == [T] * 3
+    assert r.completion_mask.shape == (3, T) and (r.completion_mask == 1).all()
+    assert r.texts == tok.batch_decode(ref, skip_special_tokens=True)
+    assert (r.logprobs == 0).all()  # greedy samples from a point mass
+
+
+def test_greedy_matches_hf_generate_with_eos(builtin):
+    model, tok = builtin
+    n, T = 2, 8
+    r = generate(model, tok, ADD_PROMPTS, n=n, params=SamplingParams(temperature=0,
+                                                                      max_new_tokens=T))
+    ref = hf_greedy(model, tok, ADD_PROMPTS, T).repeat_interleave(n, dim=0)
+    eos = tok.eos_token_id
+    # every row ends with eos, at different steps (so rows leave the cache at different times)
+    is_eos = ref == eos
+    assert is_eos.any(-1).all()
+    first_eos = is_eos.float().argmax(-1)
+    assert len(set(first_eos.tolist())) > 1
+    assert torch.equal(r.completion_ids, ref)  # HF pads after eos with the pad id too
+    expected_mask = (torch.arange(ref.shape[1])[None] <= first_eos[:, None]).long()
+    assert torch.equal(r.completion_mask, expected_mask)
+    assert r.lengths.tolist() == (first_eos + 1).tolist()
+    assert not r.truncated.any()
+    assert r.texts == tok.batch_decode(ref, skip_special_tokens=True)
+    assert r.texts[::n] == ["115", "81", "55", "101"]
+    check_padding(r, tok.pad_token_id)
+
+
+# ------------------------------------------------- 2. sampling log-probs = teacher forcing
+
+
+@pytest.mark.parametrize("which", ["tiny", "builtin"])
+def test_logprobs_match_teacher_forcing(which, tiny, builtin):
+    model, tok = tiny if which == "tiny" else builtin
+    prompts = TINY_PROMPTS if which == "tiny" else ["10+11=", "58+67=", "95+98="]
+    r = generate(model, tok, prompts, n=3, params=SamplingParams(temperature=1.0, top_k=0,
+                                                                  top_p=1.0, max_new_tokens=6),
+                 generator=torch.Generator().manual_seed(0))
+    check_padding(r, tok.pad_token_id)
+    if which == "builtin":  # rows of different lengths: some positions are masked
+        assert (r.completion_mask == 0).any() and not r.truncated.all()
+    batch = pad_sequences(r.prompt_ids, completions(r), pad_id=tok.pad_token_id)
+    with torch.no_grad():
+        ref = completion_logprobs(model, batch["input_ids"], batch["attention_mask"],
+                                  batch["loss_mask"])
+    target = batch["loss_mask"][:, 1:].bool()
+    ref_rows = [ref[i][target[i]] for i in range(len(ref))]
+    got_rows = [r.logprobs[i][r.completion_mask[i].bool()] for i in range(len(ref))]
+    for got, want in zip(got_rows, ref_rows, strict=True):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want.float(), atol=1e-4, rtol=0)
+    assert (r.logprobs[r.completion_mask.bool()] < 0).all()
+
+
+def test_temperature_logprobs_are_of_the_scaled_distribution(tiny):
+    model, tok = tiny
+    tau = 0.5
+    r = generate(model, tok, TINY_PROMPTS, n=2,
+                 params=SamplingParams(temperature=tau, max_new_tokens=5),
+                 generator=torch.Generator().manual_seed(3))
+    for i, logits in enumerate(teacher_logits(model, r)):
+        ids = r.completion_ids[i, :len(logits)]
+        want = (logits / tau).log_softmax(-1).gather(-1, ids[:, None]).squeeze(-1)
+        torch.testing.assert_close(r.logprobs[i, :len(logits)], want, atol=1e-4, rtol=0)
+
+
+# ------------------------------------------------------- 3. groups, diversity, seeding
+
+
+def test_groups_and_seeding(tiny):
+    model, tok = tiny
+    n = 4
+    params = SamplingParams(temperature=1.0, max_new_tokens=8)
+
+    def run(seed):
+        return generate(model, tok, TINY_PROMPTS, n=n, params=params,
+                        generator=torch.Generator().manual_seed(seed))
+
+    r = run(0)
+    P = len(TINY_PROMPTS)
+    assert r.group_ids.tolist() == [g for g in range(P) for _ in range(n)]
+    assert r.completion_ids.shape == (P * n, 8) and len(r.texts) == P * n
+    for g, prompt in enumerate(TINY_PROMPTS):
+        ids = tok(prompt)["input_ids"]
+        assert r.prompt_ids[g * n:(g + 1) * n] == [ids] * n
+        rows = {tuple(x) for x in r.completion_ids[g * n:(g + 1) * n].tolist()}
+        assert len(rows) == n  # the n samples of one prompt differ
+    again = run(0)
+    assert torch.equal(again.completion_ids, r.completion_ids)
+    assert torch.equal(again.logprobs, r.logprobs)
+    assert again.texts == r.texts
+    other = run(1)
+    assert not torch.equal(other.completion_ids, r.completion_ids)
+
+
+# ------------------------------------------------------------------- 4. top-k and top-p
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, top_k=1, max_new_tokens=6),
+                                    SamplingParams(temperature=1.0, top_p=1e-6,
+                                                   max_new_tokens=6)],
+                         ids=["top_k=1", "top_p=1e-6"])
+def test_degenerate_truncation_is_greedy(tiny, builtin, params):
+    for model, tok, prompts in [(*tiny, TINY_PROMPTS), (*builtin, ADD_PROMPTS)]:
+        greedy = generate(model, tok, prompts, n=2, params=SamplingParams(
+            temperature=0, max_new_tokens=params.max_new_tokens))
+        r = generate(model, tok, prompts, n=2, params=params,
+                     generator=torch.Generator().manual_seed(0))
+        assert torch.equal(r.completion_ids, greedy.completion_ids)
+        assert torch.equal(r.completion_mask, greedy.completion_mask)
+        assert torch.equal(r.truncated, greedy.truncated)
+        assert r.texts == greedy.texts
+        assert r.logprobs.abs().max() < 1e-6  # a point mass
+
+
+def test_top_k_support_and_renormalised_logprobs(tiny):
+    model, tok = tiny
+    k = 5
+    r = generate(model, tok, TINY_PROMPTS, n=4,
+                 params=SamplingParams(temperature=1.0, top_k=k, max_new_tokens=8),
+                 generator=torch.Generator().manual_seed(0))
+    ranks = []
+    for i, logits in enumerate(teacher_logits(model, r)):
+        ids = r.completion_ids[i, :len(logits)]
+        chosen = logits.gather(-1, ids[:, None])  # (L, 1)
+        rank = (logits > chosen + 1e-5).sum(-1)  # tokens clearly more likely than the sample
+        assert (rank < k).all()
+        ranks += rank.tolist()
+        plain = logits.log_softmax(-1).gather(-1, ids[:, None]).squeeze(-1)
+        got = r.logprobs[i, :len(logits)]
+        assert (got >= plain).all()
+        renorm = plain - logits.log_softmax(-1).topk(k, dim=-1).values.logsumexp(-1)
+        torch.testing.assert_close(got, renorm, atol=1e-4, rtol=0)
+    assert max(ranks) > 0  # not just greedy
+
+
+def test_top_p_support_and_renormalised_logprobs(tiny):
+    model, tok = tiny
+    top_p = 0.1
+    r = generate(model, tok, TINY_PROMPTS, n=4,
+                 params=SamplingParams(temperature=1.0, top_p=top_p, max_new_tokens=8),
+                 generator=torch.Generator().manual_seed(0))
+    for i, logits in enumerate(teacher_logits(model, r)):
+        ids = r.completion_ids[i, :len(logits)]
+        probs = logits.softmax(-1)
+        p_tok = probs.gather(-1, ids[:, None])
+        # the nucleus: tokens whose more likely predecessors hold less than top_p of the mass
+        mass_before = (probs * (probs > p_tok)).sum(-1)
+        assert (mass_before < top_p + 1e-5).all()
+        sorted_p = probs.sort(-1, descending=True).values
+        kept = (sorted_p.cumsum(-1) - sorted_p) < top_p
+        nucleus_mass = (sorted_p * kept).sum(-1)
+        want = p_tok.squeeze(-1).log() - nucleus_mass.log()
+        torch.testing.assert_close(r.logprobs[i, :len(logits)], want, atol=1e-4, rtol=0)
+
+
+# ---------------------------------------------------------------------- 5. stop strings
+
+
+@pytest.mark.parametrize("stop", [("1",), ("15", "xyz")])
+def test_stop_string_greedy(builtin, stop):
+    model, tok = builtin
+    T = 8
+    plain = generate(model, tok, ADD_PROMPTS, n=1, params=SamplingParams(temperature=0,
+                                                                          max_new_tokens=T))
+    r = generate(model, tok, ADD_PROMPTS, n=1, params=SamplingParams(temperature=0,
+                                                                      max_new_tokens=T,
+                                                                      stop=stop))
+    check_padding(r, tok.pad_token_id)
+    stopped = 0
+    for i, full in enumerate(plain.texts):  # "115", "81", "55", "101"
+        hits = [(j + len(s), s) for s in stop if (j := full.find(s)) >= 0]
+        if hits:
+            stopped += 1
+            end = min(hits)[0]  # characters (= byte tokens) up to the completed stop string
+            assert r.texts[i] == full[:full.find(min(hits)[1])]
+            assert r.lengths[i] == end
+            assert not r.truncated[i]
+            assert r.completion_ids[i, :end].tolist() == plain.completion_ids[i, :end].tolist()
+            assert tok.decode(r.completion_ids[i, :end]).endswith(min(hits)[1])
+        else:  # unaffected
+            L = plain.lengths[i]
+            assert r.texts[i] == full
+            assert r.lengths[i] == L
+            assert r.truncated[i] == plain.truncated[i]
+            assert torch.equal(r.completion_ids[i, :L], plain.completion_ids[i, :L])
+    assert 0 < stopped < len(ADD_PROMPTS)
+
+
+def test_stop_string_sampled_rows_end_where_it_completes(builtin):
+    model, tok = builtin
+    stop = ("1",)
+    r = generate(model, tok, ["58+67=", "95+98=", "10+11="], n=6,
+                 params=SamplingParams(temperature=1.0, max_new_tokens=5, stop=stop),
+                 generator=torch.Generator().manual_seed(0))
+    check_padding(r, tok.pad_token_id)
+    eos = tok.eos_token_id
+    n_stop = 0
+    for ids, L, text, trunc in zip(r.completion_ids, r.lengths.tolist(), r.texts,
+                                   r.truncated.tolist(), strict=True):
+        assert "1" not in text
+        full = tok.decode(ids[:L], skip_special_tokens=True)
+        if ids[L - 1] == eos:
+            assert not trunc and "1" not in full
+        elif "1" in full:  # finished by the stop string, at the token that completed it
+            n_stop += 1
+            assert not trunc
+            assert "1" not in tok.decode(ids[:L - 1], skip_special_tokens=True)
+            assert text == full[:full.index("1")]
+        else:
+            assert trunc and L == 5
+    assert n_stop > 0
+
+
+# ------------------------------------------------------------------- 6. validation
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=-0.5),
+                                 dict(top_p=1.01), dict(top_k=-1), dict(max_new_tokens=0)])
+def test_validate_rejects(bad, tiny):
+    with pytest.raises(ValueError):
+        SamplingParams(**bad).validate()
+    model, tok = tiny
+    with pytest.raises(ValueError):  # generate validates too
+        generate(model, tok, ["a"], params=SamplingParams(**bad))
+
+
+def test_validate_accepts_edges():
+    SamplingParams(temperature=0, top_p=1.0, top_k=0, max_new_tokens=1).validate()
+    SamplingParams(temperature=2.0, top_p=1e-9, top_k=1).validate()
+
+
+# --------------------------------------------------------------------- 7. edge sizes
+
+
+def test_one_new_token(tiny, builtin):
+    model, tok = tiny
+    r = generate(model, tok, TINY_PROMPTS, n=2, params=SamplingParams(max_new_tokens=1),
+                 generator=torch.Generator().manual_seed(0))
+    assert r.completion_ids.shape == r.completion_mask.shape == r.logprobs.shape == (6, 1)
+    assert (r.completion_mask == 1).all()
+    assert r.truncated.tolist() == (r.completion_ids[:, 0] != tok.eos_token_id).tolist()
+    ref = hf_greedy(model, tok, TINY_PROMPTS, 1)
+    g = generate(model, tok, TINY_PROMPTS, params=SamplingParams(temperature=0,
+                                                                  max_new_tokens=1))
+    assert torch.equal(g.completion_ids, ref)
+    model, tok = builtin  # a budget of one: the digit comes, the eos does not
+    r = generate(model, tok, ["40+41="], params=SamplingParams(temperature=0,
+                                                                max_new_tokens=1))
+    assert r.texts == ["8"] and r.truncated.tolist() == [True]
+
+
+def test_single_prompt_single_sample(builtin):
+    model, tok = builtin
+    model.train()  # generate runs in eval mode and restores the mode
+    try:
+        r = generate(model, tok, ["58+67="], n=1, params=SamplingParams(temperature=0,
+                                                                         max_new_tokens=8))
+        assert model.training
+    finally:
+        model.eval()
+    assert r.completion_ids.shape == (1, 4)
+    assert r.group_ids.tolist() == [0] and r.prompt_ids == [tok("58+67=")["input_ids"]]
+    assert r.texts == ["115"] and r.lengths.tolist() == [4] and not r.truncated.any()
+    ref = hf_greedy(model, tok, ["58+67="], 8)
+    assert torch.equal(r.completion_ids, ref)
