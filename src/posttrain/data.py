@@ -273,17 +273,14 @@ def encode_pairs(tokenizer, source: str, rows: list[dict], max_length: int, over
 def pad_sequences(prompts: list[list[int]], completions: list[list[int]], pad_id: int
                   ) -> dict[str, torch.Tensor]:
     """Right-padded ``input_ids``, ``attention_mask`` and completion ``loss_mask``, ``(B, T)``."""
-    lengths = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
-    T = max(lengths)
-    B = len(prompts)
-    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros(B, T, dtype=torch.long)
-    loss_mask = torch.zeros(B, T, dtype=torch.long)
-    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
-        n = len(p) + len(c)
-        input_ids[i, :n] = torch.tensor(p + c)
-        attention_mask[i, :n] = 1
-        loss_mask[i, len(p):n] = 1
+    seqs = [p + c for p, c in zip(prompts, completions, strict=True)]
+    lengths = torch.tensor([len(x) for x in seqs])
+    starts = torch.tensor([len(p) for p in prompts])
+    T = int(lengths.max())
+    input_ids = torch.tensor([x + [pad_id] * (T - len(x)) for x in seqs])  # one copy, no loop
+    cols = torch.arange(T)
+    attention_mask = (cols < lengths[:, None]).long()
+    loss_mask = (attention_mask.bool() & (cols >= starts[:, None])).long()
     return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
 
 
@@ -292,17 +289,11 @@ def pad_shared_prompts(prompts: list[list[int]], completions: list[list[int]], p
     """Prompts once, left-padded ``(B, Lp)``, and their completions in blocks, right-padded
     ``(k·B, Lc)`` (rows ``j·B + i`` belong to prompt ``i``): the layout of
     :func:`posttrain.modeling.shared_prompt_logprobs`."""
-    B, Lp = len(prompts), max(len(p) for p in prompts)
-    prompt_ids = torch.full((B, Lp), pad_id, dtype=torch.long)
-    prompt_mask = torch.zeros(B, Lp, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        prompt_ids[i, Lp - len(p):] = torch.tensor(p)
-        prompt_mask[i, Lp - len(p):] = 1
+    Lp = max(len(p) for p in prompts)
     Lc = max(len(c) for c in completions)
-    completion_ids = torch.full((len(completions), Lc), pad_id, dtype=torch.long)
-    completion_mask = torch.zeros(len(completions), Lc, dtype=torch.long)
-    for i, c in enumerate(completions):
-        completion_ids[i, :len(c)] = torch.tensor(c)
-        completion_mask[i, :len(c)] = 1
-    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
-            "completion_ids": completion_ids, "completion_mask": completion_mask}
+    prompt_ids = torch.tensor([[pad_id] * (Lp - len(p)) + p for p in prompts])
+    prompt_mask = (torch.arange(Lp) >= torch.tensor([Lp - len(p) for p in prompts])[:, None])
+    completion_ids = torch.tensor([c + [pad_id] * (Lc - len(c)) for c in completions])
+    completion_mask = torch.arange(Lc) < torch.tensor([len(c) for c in completions])[:, None]
+    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask.long(),
+            "completion_ids": completion_ids, "completion_mask": completion_mask.long()}

@@ -31,6 +31,11 @@ from posttrain.trainers.base import Trainer, seed_everything
 
 log = logging.getLogger(__name__)
 
+# Below this size a DPO step is bound by per-call overhead, and running the prompt in its own
+# forward call costs more than the prompt tokens it saves (speed-up over TRL measured on 2 CPU
+# cores, shared vs full sequences: 0.87x vs 1.07x at 0.5M parameters, 1.31x vs 1.10x at 25M).
+SHARE_PROMPT_MIN_PARAMS = 2_000_000
+
 
 # --- configs ---------------------------------------------------------------------------------
 
@@ -73,9 +78,10 @@ class DPOConfig(TrainConfig):
     """Reference policy; none = the starting model."""
     precompute_ref: bool = True
     """Compute the reference log-likelihoods once before training and free the reference."""
-    share_prompt: bool = True
+    share_prompt: bool | None = None
     """Run each prompt once for both its completions (its keys and values are shared, with
-    gradient); false = two full sequences per pair."""
+    gradient); false = two full sequences per pair; none = automatic: on for models of 2M
+    parameters or more (below that the extra forward call costs more than it saves)."""
 
     def validate(self) -> None:
         super().validate()
@@ -162,7 +168,10 @@ class DPOTrainer(Trainer):
     def __init__(self, cfg, model, tokenizer, train_examples, eval_examples, ref_model):
         super().__init__(cfg, model, tokenizer, train_examples, eval_examples)
         self.ref_model = ref_model.eval().requires_grad_(False)
-        self.share_prompt = cfg.share_prompt and has_plain_head(model)
+        share = cfg.share_prompt
+        if share is None:
+            share = sum(p.numel() for p in model.parameters()) >= SHARE_PROMPT_MIN_PARAMS
+        self.share_prompt = share and has_plain_head(model)
         if cfg.precompute_ref:
             for examples in (self.train_examples, self.eval_examples):
                 self._cache_reference(examples)
@@ -209,8 +218,9 @@ class DPOTrainer(Trainer):
         if "ref_logps" in batch:
             ref = batch["ref_logps"].to(logps.dtype)
         else:
-            with torch.no_grad():
+            with torch.inference_mode():
                 ref = self._sequence_logps(self.ref_model, batch)
+            ref = ref.clone()  # a normal tensor, usable next to autograd tensors
         lengths = self._lengths(batch)
         loss, m = dpo_loss(logps[:n], logps[n:], ref[:n], ref[n:], self.cfg.beta,
                            self.cfg.loss_type, self.cfg.label_smoothing,
