@@ -1,5 +1,6 @@
 """The on-policy loop on a tiny random model: every critic-free algorithm of the table runs
-end to end through the same loop, and writes its metrics and final model."""
+end to end through the same loop; dynamic sampling, zero-advantage skipping, reward errors
+and the micro-batch invariance of the gradient."""
 
 import json
 
@@ -7,59 +8,153 @@ import pytest
 import torch
 
 from posttrain.config import ConfigError
-from posttrain.core import ALGORITHMS
-from posttrain.trainers.online import RLConfig, run_rl
+from posttrain.core.algorithms import get_algorithm
+from posttrain.rewards import RewardError
+from posttrain.trainers.online import CRITIC_FREE, RLConfig, RLTrainer, run_rl
 
-CRITIC_FREE = [name for name, a in ALGORITHMS.items() if not a.critic]
+REWARDS = '''
+def by_len(prompts, completions, **_):
+    return [float(len(c)) for c in completions]
+def const(prompts, completions, **_):
+    return [1.0] * len(completions)
+def raises(prompts, completions, **_):
+    if any("+" in p for p in prompts):
+        raise ValueError("cannot score")
+    return [0.0] * len(completions)
+def nan(prompts, completions, **_):
+    return [float("nan")] + [1.0] * (len(completions) - 1)
+def short(prompts, completions, **_):
+    return [1.0]
+'''
+
+
+@pytest.fixture
+def rl_files(tmp_path):
+    reward = tmp_path / "r.py"
+    reward.write_text(REWARDS)
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}="}) + "\n" for i in range(8)))
+    return reward, data
 
 
 def _cfg(model_dir, out, algo, **kw):
-    cfg = RLConfig(model=model_dir, output_dir=str(out), algo=algo, max_steps=2,
-                   prompts_per_step=2, group_size=4, minibatch_size=4, max_new_tokens=4,
-                   builtin_train_size=16, builtin_eval_size=4, log_every=1, eval_every=0,
-                   device="cpu", tensorboard=False, **kw)
+    base = dict(model=model_dir, output_dir=str(out), algo=algo, max_steps=2,
+                prompts_per_step=2, group_size=4, minibatch_size=8, micro_batch_size=8,
+                max_new_tokens=4, builtin_train_size=16, builtin_eval_size=4, log_every=1,
+                eval_every=0, device="cpu", tensorboard=False, temperature=1.5)
+    base.update(kw)
+    cfg = RLConfig(**base)
     cfg.validate()
     return cfg
 
 
 @pytest.mark.parametrize("algo", CRITIC_FREE)
-def test_every_critic_free_algorithm_runs(tiny_model_dir, tmp_path, algo):
+def test_every_critic_free_algorithm_runs(tiny_model_dir, tmp_path, rl_files, algo):
     """Two steps per algorithm; metrics carry rewards, lengths, timing; final/ is saved."""
-    run_rl(_cfg(tiny_model_dir, tmp_path, algo, ppo_epochs=2))
+    reward, data = rl_files
+    run_rl(_cfg(tiny_model_dir, tmp_path, algo, ppo_epochs=2, data=str(data),
+                reward=f"{reward}:by_len"))
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward/mean" in r]
     assert [r["step"] for r in steps] == [1, 2]
-    for key in ("reward/std", "completion/length_mean", "completion/truncated_frac",
-                "groups/zero_signal_frac", "time/generate_s", "time/train_s"):
-        assert key in steps[0]
+    for key in ("reward/std", "reward/by_len", "completion/length_mean",
+                "completion/truncated_frac", "groups/zero_signal_frac", "train/entropy",
+                "train/clip_frac_low", "train/clip_frac_high", "train/ratio_max",
+                "time/generate_s", "time/train_s", "sampling/rounds"):
+        assert key in steps[0], key
     assert (tmp_path / "final" / "model.safetensors").exists()
 
 
-def test_policy_moves_when_there_is_signal(tiny_model_dir, tmp_path):
-    """With a reward that varies within groups (completion length), the loop changes the
-    weights; with a constant reward every advantage is 0 and nothing is updated."""
+def test_constant_reward_moves_nothing_and_dapo_says_why(tiny_model_dir, tmp_path, rl_files):
+    """A constant reward gives zero advantages: GRPO (β=0) skips every sample and leaves the
+    weights untouched; DAPO's dynamic sampling finds no group with signal and says so."""
     from transformers import AutoModelForCausalLM
 
-    reward = tmp_path / "r.py"
-    reward.write_text("def by_len(prompts, completions, **_):\n"
-                      "    return [float(len(c)) for c in completions]\n"
-                      "def const(prompts, completions, **_):\n"
-                      "    return [1.0] * len(completions)\n")
-    data = tmp_path / "p.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}="}) + "\n" for i in range(8)))
+    reward, data = rl_files
     before = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
-    for fn, should_move in (("by_len", True), ("const", False)):
-        out = tmp_path / fn
-        cfg = _cfg(tiny_model_dir, out, "dapo", data=str(data), reward=f"{reward}:{fn}",
-                   temperature=1.5)
-        run_rl(cfg)
-        after = AutoModelForCausalLM.from_pretrained(out / "final").state_dict()
-        moved = any(not torch.equal(before[k], after[k]) for k in before)
-        assert moved == should_move, fn
+    out = tmp_path / "grpo"
+    run_rl(_cfg(tiny_model_dir, out, "grpo", kl_coef=0.0, data=str(data),
+                reward=f"{reward}:const"))
+    after = AutoModelForCausalLM.from_pretrained(out / "final").state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["samples/backward_frac"] for m in metrics if "samples/backward_frac" in m] == \
+        [0.0, 0.0]
+    with pytest.raises(RuntimeError, match="too easy or too hard"):
+        run_rl(_cfg(tiny_model_dir, tmp_path / "dapo", "dapo", data=str(data),
+                    reward=f"{reward}:const", dynamic_sampling_rounds=2))
 
 
-def test_rl_config_rejects_critic_algorithms():
+def test_policy_moves_when_there_is_signal(tiny_model_dir, tmp_path, rl_files):
+    from transformers import AutoModelForCausalLM
+
+    reward, data = rl_files
+    before = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    out = tmp_path / "dapo"
+    run_rl(_cfg(tiny_model_dir, out, "dapo", data=str(data), reward=f"{reward}:by_len"))
+    after = AutoModelForCausalLM.from_pretrained(out / "final").state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("fn,match", [("nan", "nan"), ("short", "returned 1 values"),
+                                      ("raises", "ValueError: cannot score on sample 0")])
+def test_reward_errors_name_function_and_sample(tiny_model_dir, tmp_path, rl_files, fn, match):
+    reward, data = rl_files
+    with pytest.raises(RewardError, match=match) as e:
+        run_rl(_cfg(tiny_model_dir, tmp_path, "grpo", data=str(data), reward=f"{reward}:{fn}"))
+    assert fn in str(e.value)
+
+
+def test_reward_error_skip_counts_samples(tiny_model_dir, tmp_path, rl_files):
+    reward, data = rl_files
+    run_rl(_cfg(tiny_model_dir, tmp_path, "grpo", data=str(data), reward=f"{reward}:nan",
+                on_reward_error="skip"))
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["reward/skipped"] for r in rows if "reward/skipped" in r] == [1, 1]
+
+
+@pytest.mark.parametrize("algo", CRITIC_FREE)
+def test_gradient_independent_of_micro_batching(tiny_model_dir, tmp_path, rl_files, algo):
+    """One minibatch of 64 samples: micro-batches of 64, 16 and 1 give the same gradient."""
+    from posttrain.data import pad_sequences
+    from posttrain.modeling import completion_logprobs
+    from posttrain.trainers.online import accumulate_policy_gradient
+
+    reward, data = rl_files
+    trainer = RLTrainer(_cfg(tiny_model_dir, tmp_path, algo, data=str(data),
+                             reward=f"{reward}:by_len", prompts_per_step=8, group_size=8,
+                             kl_coef=0.04))
+    policy = trainer.policy.double()
+    algo_rec = get_algorithm(algo, kl_coef=0.04)
+    exp = trainer.collect()
+    ro = exp.rollout
+    comps = [r[m.bool()].tolist() for r, m in zip(ro.completion_ids, ro.completion_mask,
+                                                   strict=True)]
+    batch = pad_sequences(ro.prompt_ids, comps, trainer.tok.pad_token_id)
+    mask = batch["loss_mask"][:, 1:].double()
+    with torch.no_grad():
+        old = completion_logprobs(policy, batch["input_ids"], batch["attention_mask"],
+                                  batch["loss_mask"])
+    ref = old - 0.05 * torch.rand(old.shape, generator=torch.Generator().manual_seed(0),
+                                  dtype=old.dtype)
+    adv = torch.randn(mask.shape, dtype=torch.float64) * mask
+    idx = torch.arange(len(adv))
+    live = torch.ones(len(adv), dtype=torch.bool)
+    grads = []
+    for micro in (64, 16, 1):
+        policy.zero_grad()
+        accumulate_policy_gradient(policy, algo_rec, batch, idx, adv, old * 0.999, ref, live,
+                                   micro, constant=4)
+        grads.append(torch.cat([p.grad.flatten() for p in policy.parameters()]))
+    assert grads[0].abs().max() > 0
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(grads[2], grads[0], rtol=0, atol=1e-6)
+
+
+def test_rl_config_rejects_bad_values():
     with pytest.raises(ConfigError):
         RLConfig(algo="ppo").validate()
     with pytest.raises(ConfigError):
         RLConfig(group_size=1).validate()
+    with pytest.raises(ConfigError):
+        RLConfig(on_reward_error="ignore").validate()

@@ -23,7 +23,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from posttrain.core import token_logprobs
+from posttrain.core import token_entropy, token_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -91,12 +91,15 @@ def has_plain_head(model: PreTrainedModel) -> bool:
 
 
 def completion_logprobs(model: PreTrainedModel, input_ids: torch.Tensor,
-                        attention_mask: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+                        attention_mask: torch.Tensor, loss_mask: torch.Tensor,
+                        with_entropy: bool = False):
     """Log-probabilities of the tokens marked by ``loss_mask``, ``(B, T-1)``.
 
     ``input_ids``, ``attention_mask``, ``loss_mask`` are ``(B, T)``; entry ``t`` of the result
     is ``log π(input_ids[t+1] | input_ids[≤t])`` where ``loss_mask[t+1]`` is set, else 0. The
     LM head runs only at those positions: prompt and padding positions never become logits.
+    With ``with_entropy`` it also returns the policy's entropy at the same positions
+    ``(B, T-1)``, computed without gradient from the same logits (a metric).
     """
     target = loss_mask[:, 1:].bool()  # (B, T-1)
     labels = input_ids[:, 1:][target]  # (N,)
@@ -108,8 +111,12 @@ def completion_logprobs(model: PreTrainedModel, input_ids: torch.Tensor,
         logits = model(input_ids=input_ids, attention_mask=attention_mask,
                        use_cache=False).logits[:, :-1][target]
     lp = token_logprobs(logits, labels)  # (N,)
-    out = torch.zeros(target.shape, dtype=lp.dtype, device=lp.device)
-    return out.masked_scatter(target, lp)
+    out = torch.zeros(target.shape, dtype=lp.dtype, device=lp.device).masked_scatter(target, lp)
+    if not with_entropy:
+        return out
+    with torch.no_grad():
+        ent = token_entropy(logits.detach())
+    return out, torch.zeros_like(out).masked_scatter(target, ent)
 
 
 @functools.cache

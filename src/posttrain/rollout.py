@@ -182,3 +182,35 @@ def generate(model, tokenizer, prompts: list[str], n: int = 1,
 def _cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
     cut = min((i for s in stop if (i := text.find(s)) >= 0), default=len(text))
     return text[:cut]
+
+
+def select(r: Rollout, rows: torch.Tensor) -> Rollout:
+    """The samples ``rows`` (indices, in order) of a rollout; group ids are kept."""
+    idx = rows.tolist()
+    return Rollout(prompt_ids=[r.prompt_ids[i] for i in idx], completion_ids=r.completion_ids[rows],
+                   completion_mask=r.completion_mask[rows], logprobs=r.logprobs[rows],
+                   truncated=r.truncated[rows], group_ids=r.group_ids[rows],
+                   texts=[r.texts[i] for i in idx])
+
+
+def concat(rollouts: list[Rollout], pad_id: int) -> Rollout:
+    """One rollout from several; completions are re-padded to the longest, and group ids
+    renumbered so groups stay distinct."""
+    T = max(r.completion_ids.shape[1] for r in rollouts)
+
+    def pad(x: torch.Tensor, value) -> torch.Tensor:
+        return torch.nn.functional.pad(x, (0, T - x.shape[1]), value=value)
+
+    offset, groups = 0, []
+    for r in rollouts:
+        _, ids = torch.unique(r.group_ids, return_inverse=True)
+        groups.append(ids + offset)
+        offset += int(ids.max()) + 1 if len(ids) else 0
+    return Rollout(
+        prompt_ids=[p for r in rollouts for p in r.prompt_ids],
+        completion_ids=torch.cat([pad(r.completion_ids, pad_id) for r in rollouts]),
+        completion_mask=torch.cat([pad(r.completion_mask, 0) for r in rollouts]),
+        logprobs=torch.cat([pad(r.logprobs, 0.0) for r in rollouts]),
+        truncated=torch.cat([r.truncated for r in rollouts]),
+        group_ids=torch.cat(groups),
+        texts=[t for r in rollouts for t in r.texts])

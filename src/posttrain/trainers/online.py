@@ -1,18 +1,22 @@
 """One on-policy loop for the critic-free RL algorithms of the table (grpo, dapo, gspo,
 gspo_token, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline).
 
-Each step: sample G completions for each of ``prompts_per_step`` prompts → score them →
-advantages (the algorithm's estimator) → ``ppo_epochs`` passes of minibatch updates against
-the recorded old log-probabilities, with the algorithm's policy loss, optional KL to a frozen
-reference and its aggregation → metrics. The loop never branches on the algorithm's name; it
-reads the :class:`posttrain.core.algorithms.Algorithm` record.
+Each step:
 
-Samples whose advantage is zero on every token and that carry no KL term contribute nothing
-to the gradient; they are dropped before the forward/backward pass (the normaliser is still
-counted over the whole minibatch, so the gradient is unchanged).
+1. **sample** G completions for each of ``prompts_per_step`` prompts (the lean rollout engine);
+   with dynamic sampling (DAPO) groups whose rewards are all equal are dropped and more
+   prompts are sampled, up to ``dynamic_sampling_rounds`` rounds;
+2. **score** with the reward terms (plus DAPO's overlong shaping when the algorithm asks);
+3. **advantages** with the algorithm's estimator;
+4. ``ppo_epochs`` passes of **minibatch updates** against the old log-probabilities, each
+   optimiser step accumulated over micro-batches with the loss normalised by the token or
+   sequence count of the whole minibatch, optional KL to a frozen reference;
+5. **metrics** to metrics.jsonl.
 
-Not yet here (tracked in the online-RL issue): DAPO's dynamic sampling refill, per-function
-reward weights and logging, the trained-reward-model reward, and PPO's critic.
+The loop never branches on the algorithm's name; it reads the
+:class:`posttrain.core.algorithms.Algorithm` record. Samples whose advantage is zero on every
+token and that carry no KL term add nothing to the gradient; they skip the forward and
+backward pass (the normaliser still counts them, so the gradient is unchanged).
 """
 
 from __future__ import annotations
@@ -28,44 +32,62 @@ import torch
 from posttrain import config as config_mod
 from posttrain import data as data_mod
 from posttrain.builtin import task as builtin_task
-from posttrain.config import TrainConfig, _check
-from posttrain.core import aggregate_loss, overlong_penalty, step_normalizer
+from posttrain.config import ConfigError, TrainConfig, _check
+from posttrain.core import (
+    aggregate_loss,
+    groups_with_signal,
+    masked_mean,
+    overlong_penalty,
+    step_normalizer,
+)
 from posttrain.core.algorithms import (
     ALGORITHMS,
+    Algorithm,
     compute_advantages,
     get_algorithm,
     policy_objective,
 )
-from posttrain.evaluate import evaluate_policy, load_reward_function
+from posttrain.evaluate import evaluate_policy
 from posttrain.modeling import completion_logprobs, load_causal_lm, load_tokenizer, save_model
-from posttrain.rollout import SamplingParams, generate
+from posttrain.rewards import parse_rewards, score
+from posttrain.rollout import Rollout, SamplingParams, concat, generate, select
 from posttrain.trainers.base import MetricsWriter, seed_everything
 
 log = logging.getLogger(__name__)
+CRITIC_FREE = [name for name, a in ALGORITHMS.items() if not a.critic]
 
 
 @dataclass
 class RLConfig(TrainConfig):
-    """On-policy RL with a verifiable reward (GRPO family)."""
+    """On-policy RL with verifiable rewards (the GRPO family)."""
 
     algo: str = "grpo"
     """grpo, dapo, gspo, gspo_token, dr_grpo, rloo, reinforce_pp or reinforce_pp_baseline."""
     reward: str | None = None
-    """Reward function module:function or file.py:function; none = the built-in task's."""
+    """Reward terms, comma-separated: builtin, module:function, file.py:function, rm:DIR;
+    none = builtin (the built-in task's exact-answer reward)."""
+    reward_weights: str | None = None
+    """Weights of the reward terms, comma-separated (default 1 each)."""
+    on_reward_error: str = "raise"
+    """raise: stop on a reward that fails or is NaN; skip: leave the sample out and count it."""
     lr: float = 1e-4
     max_steps: int = 60
     prompts_per_step: int = 16
-    """Prompts sampled per step."""
+    """Prompts (groups) per step."""
     group_size: int = 8
     """Completions per prompt (G)."""
-    minibatch_size: int = 64
-    """Samples per optimiser step within an RL step."""
+    minibatch_size: int = 128
+    """Samples per optimiser step (several steps per batch when smaller than the batch)."""
+    micro_batch_size: int = 128
+    """Samples per forward/backward pass; the gradient does not depend on it."""
     ppo_epochs: int = 1
-    """Passes over each batch of samples (μ)."""
+    """Passes over each batch of samples (μ); > 1 records old log-probs before updating."""
     max_new_tokens: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    stop: str | None = None
+    """Stop strings, comma-separated (eos always stops)."""
     kl_coef: float | None = None
     """Override the algorithm's β (KL to the reference in the loss)."""
     clip_low: float | None = None
@@ -73,159 +95,266 @@ class RLConfig(TrainConfig):
     clip_high: float | None = None
     """Override the algorithm's ε_high."""
     overlong_cache: int = 2
-    """DAPO soft overlong buffer L_cache (tokens before max_new_tokens)."""
+    """DAPO's soft overlong buffer L_cache, in tokens below max_new_tokens."""
+    dynamic_sampling_rounds: int = 4
+    """Most generation rounds per step when dynamic sampling refills the batch."""
     eval_every: int = 20
     warmup_ratio: float = 0.0
     lr_schedule: str = "constant"
 
     def validate(self) -> None:
         super().validate()
-        names = [a for a in ALGORITHMS if not ALGORITHMS[a].critic]
-        _check(self.algo in names, f"algo must be one of {', '.join(names)}")
+        _check(self.algo in CRITIC_FREE, f"algo must be one of {', '.join(CRITIC_FREE)}")
         _check(self.group_size >= 2, "group_size must be ≥ 2")
-        _check(self.prompts_per_step >= 1 and self.minibatch_size >= 1 and self.ppo_epochs >= 1,
-               "prompts_per_step, minibatch_size and ppo_epochs must be ≥ 1")
+        _check(min(self.prompts_per_step, self.minibatch_size, self.micro_batch_size,
+                   self.ppo_epochs, self.dynamic_sampling_rounds, self.max_new_tokens) >= 1,
+               "prompts_per_step, minibatch_size, micro_batch_size, ppo_epochs, "
+               "dynamic_sampling_rounds and max_new_tokens must be ≥ 1")
+        _check(self.on_reward_error in ("raise", "skip"), "on_reward_error must be raise or skip")
+        _check(self.temperature > 0, "temperature must be > 0 for RL sampling")
 
-    def algorithm(self):
+    def algorithm(self) -> Algorithm:
         overrides = {k: v for k, v in (("kl_coef", self.kl_coef), ("clip_low", self.clip_low),
                                        ("clip_high", self.clip_high)) if v is not None}
         return get_algorithm(self.algo, **overrides)
 
 
-def _sequences(rollout, pad_id):
-    completions = [row[m.bool()].tolist() for row, m in
-                   zip(rollout.completion_ids, rollout.completion_mask, strict=True)]
-    return data_mod.pad_sequences(rollout.prompt_ids, completions, pad_id)
+@dataclass
+class Experience:
+    """One step's scored samples, ready for updates."""
+
+    rollout: Rollout
+    scores: torch.Tensor  # (N,) total reward used for advantages
+    terms: dict[str, torch.Tensor]  # per reward term (N,)
+    valid: torch.Tensor  # (N,) False for samples skipped on a reward error
+    rounds: int
+    dropped_groups: int
+
+
+def accumulate_policy_gradient(policy, algo: Algorithm, batch: dict, idx: torch.Tensor,
+                               adv: torch.Tensor, old: torch.Tensor | None,
+                               ref: torch.Tensor | None, live: torch.Tensor,
+                               micro_batch_size: int, constant: float
+                               ) -> dict[str, float]:
+    """Backward the loss of the minibatch ``idx`` in micro-batches, each aggregated with the
+    normaliser of the whole minibatch (so the summed gradient does not depend on
+    ``micro_batch_size``). Rows not ``live`` are skipped. Returns metric sums and counts."""
+    mask = batch["loss_mask"][:, 1:].float()
+    norm = step_normalizer(mask[idx], algo.aggregation)
+    rows = idx[live[idx]]
+    sums: dict[str, float] = {"loss": 0.0}
+    n_micro = 0
+    for i in range(0, len(rows), micro_batch_size):
+        mb = rows[i:i + micro_batch_size]
+        lp, ent = completion_logprobs(policy, batch["input_ids"][mb],
+                                      batch["attention_mask"][mb], batch["loss_mask"][mb],
+                                      with_entropy=True)
+        old_mb = lp.detach() if old is None else old[mb]
+        loss_tok, m = policy_objective(algo, lp, old_mb, adv[mb], mask[mb],
+                                       None if ref is None else ref[mb])
+        loss = aggregate_loss(loss_tok, mask[mb], algo.aggregation, norm, constant=constant)
+        loss.backward()
+        sums["loss"] += float(loss.detach())
+        m["entropy"] = masked_mean(ent, mask[mb])
+        for k, v in m.items():
+            sums[k] = sums.get(k, 0.0) + float(v)
+        n_micro += 1
+    return {k: (v if k == "loss" else v / max(n_micro, 1)) for k, v in sums.items()}
+
+
+class RLTrainer:
+    def __init__(self, cfg: RLConfig):
+        self.cfg = cfg
+        self.algo = cfg.algorithm()
+        self.out_dir = Path(cfg.output_dir or f"runs/{cfg.algo}")
+        self.tok = load_tokenizer(cfg.model, cfg.trust_remote_code)
+        self.policy = load_causal_lm(cfg.model, cfg.dtype, cfg.device, cfg.trust_remote_code)
+        self.device = next(self.policy.parameters()).device
+        self.ref = None
+        if self.algo.needs_reference:
+            self.ref = load_causal_lm(cfg.model, cfg.dtype, cfg.device, cfg.trust_remote_code)
+            self.ref.eval().requires_grad_(False)
+        if cfg.data is None:
+            self.train_rows = builtin_task.rl_rows(cfg.builtin_train_size, "train", cfg.seed)
+            self.eval_rows = builtin_task.rl_rows(cfg.builtin_eval_size, "eval", cfg.seed)
+        else:
+            if not cfg.reward:
+                raise ConfigError("--data needs --reward (module:function, file.py:function "
+                                  "or rm:DIR)")
+            self.train_rows = data_mod.load(cfg.data, "rl")[1]
+            self.eval_rows = data_mod.load(cfg.eval_data, "rl")[1] if cfg.eval_data else []
+        self.rewards = parse_rewards(cfg.reward or "builtin", cfg.reward_weights, cfg.device)
+        stop = tuple(s for s in (cfg.stop or "").split(",") if s)
+        self.params = SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k,
+                                     cfg.max_new_tokens, stop)
+        self.gen = torch.Generator().manual_seed(cfg.seed)
+        self._order: list[int] = []
+
+    # --- sampling and scoring ----------------------------------------------------------------
+    def _next_rows(self, n: int) -> list[dict]:
+        out = []
+        while len(out) < n:
+            if not self._order:
+                self._order = torch.randperm(len(self.train_rows), generator=self.gen).tolist()
+            out.append(self.train_rows[self._order.pop()])
+        return out
+
+    def _score(self, rows: list[dict], rollout: Rollout):
+        G = self.cfg.group_size
+        rep = [r for r in rows for _ in range(G)]
+        columns = {k: [r.get(k) for r in rep] for k in rows[0] if k not in ("prompt", "_row")}
+        total, terms, valid = score(self.rewards, [r["prompt"] for r in rep], rollout.texts,
+                                    columns, self.cfg.on_reward_error)
+        if self.algo.overlong_shaping:
+            shaping = overlong_penalty(rollout.lengths, self.cfg.max_new_tokens,
+                                       min(self.cfg.overlong_cache, self.cfg.max_new_tokens))
+            terms["overlong"] = shaping
+            total = total + shaping
+        return total, terms, valid
+
+    def collect(self) -> Experience:
+        """Sample and score a step's groups (refilling with dynamic sampling)."""
+        cfg, want = self.cfg, self.cfg.prompts_per_step
+        parts, kept, dropped, rounds = [], 0, 0, 0
+        while kept < want and rounds < (cfg.dynamic_sampling_rounds
+                                         if self.algo.dynamic_sampling else 1):
+            rounds += 1
+            rows = self._next_rows(want)
+            rollout = generate(self.policy, self.tok, [r["prompt"] for r in rows],
+                               cfg.group_size, self.params, self.gen)
+            total, terms, valid = self._score(rows, rollout)
+            if self.algo.dynamic_sampling:
+                signal = groups_with_signal(total, rollout.group_ids)
+                groups = rollout.group_ids[signal].unique()[: want - kept]
+                keep = torch.isin(rollout.group_ids, groups).nonzero().squeeze(-1)
+                dropped += len(rows) - int(signal.view(-1, cfg.group_size).any(-1).sum())
+                rollout = select(rollout, keep)
+                total, valid = total[keep], valid[keep]
+                terms = {k: v[keep] for k, v in terms.items()}
+                kept += len(groups)
+            else:
+                kept += len(rows)
+            parts.append((rollout, total, terms, valid))
+        if kept == 0:
+            raise RuntimeError(
+                f"dynamic sampling found no group with different rewards in {rounds} rounds of "
+                f"{want} prompts: every group was all right or all wrong, so the data is too "
+                "easy or too hard for this policy (or the reward is constant)")
+        rollout = concat([p[0] for p in parts], self.tok.pad_token_id)
+        return Experience(rollout, torch.cat([p[1] for p in parts]),
+                          {k: torch.cat([p[2][k] for p in parts]) for k in parts[0][2]},
+                          torch.cat([p[3] for p in parts]), rounds, dropped)
+
+    # --- the loop ----------------------------------------------------------------------------
+    def evaluate(self) -> dict[str, float]:
+        if not self.eval_rows:
+            return {}
+        terms = self.rewards
+        fn = terms[0].fn if len(terms) == 1 else (
+            lambda p, c, **kw: score(terms, p, c, kw, "skip")[0].tolist())
+        r = evaluate_policy(self.policy, self.tok, self.eval_rows, fn, self.cfg.max_new_tokens,
+                            self.cfg.eval_batch_size)
+        return {"eval/accuracy": r["accuracy"], "eval/mean_reward": r["mean_reward"]}
+
+    def step(self, opt) -> dict[str, float]:
+        cfg, algo = self.cfg, self.algo
+        t0 = time.perf_counter()
+        exp = self.collect()
+        t_gen = time.perf_counter()
+        ro = exp.rollout
+        completions = [row[m.bool()].tolist() for row, m in
+                       zip(ro.completion_ids, ro.completion_mask, strict=True)]
+        batch = {k: v.to(self.device) for k, v in
+                 data_mod.pad_sequences(ro.prompt_ids, completions, self.tok.pad_token_id).items()}
+        mask = batch["loss_mask"][:, 1:].float() * exp.valid.to(self.device)[:, None]
+        with torch.no_grad():
+            old = (completion_logprobs(self.policy, batch["input_ids"], batch["attention_mask"],
+                                       batch["loss_mask"]) if cfg.ppo_epochs > 1 else None)
+            ref = (completion_logprobs(self.ref, batch["input_ids"], batch["attention_mask"],
+                                       batch["loss_mask"]) if self.ref is not None else None)
+        adv, _ = compute_advantages(algo, exp.scores.to(self.device),
+                                    ro.group_ids.to(self.device), mask, old, ref)
+        batch["loss_mask"] = torch.cat([batch["loss_mask"][:, :1],
+                                        (mask > 0).long()], dim=1)  # skipped samples masked
+        live = ((adv != 0).any(-1) if algo.kl_coef == 0
+                else mask.any(-1)) & exp.valid.to(self.device)
+        t_score = time.perf_counter()
+        sums: dict[str, float] = {}
+        n_steps = 0
+        for _ in range(cfg.ppo_epochs):
+            perm = torch.randperm(len(adv), generator=self.gen).to(self.device)
+            for i in range(0, len(adv), cfg.minibatch_size):
+                m = accumulate_policy_gradient(self.policy, algo, batch,
+                                               perm[i:i + cfg.minibatch_size], adv, old, ref,
+                                               live, cfg.micro_batch_size, cfg.max_new_tokens)
+                if live[perm[i:i + cfg.minibatch_size]].any():
+                    if cfg.max_grad_norm > 0:
+                        m["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(
+                            self.policy.parameters(), cfg.max_grad_norm))
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    n_steps += 1
+                for k, v in m.items():
+                    sums[k] = sums.get(k, 0.0) + v
+        t_train = time.perf_counter()
+        G = cfg.group_size
+        scores = exp.scores
+        record = {f"train/{k}": v / max(n_steps, 1) for k, v in sums.items()}
+        record.update({
+            "reward/mean": float(scores.mean()), "reward/std": float(scores.std()),
+            **{f"reward/{k}": float(v.nan_to_num().mean()) for k, v in exp.terms.items()},
+            "reward/task_accuracy": float((next(iter(exp.terms.values())) >= 1).float().mean()),
+            "reward/skipped": int((~exp.valid).sum()),
+            "completion/length_mean": float(ro.lengths.float().mean()),
+            "completion/length_max": int(ro.lengths.max()),
+            "completion/truncated_frac": float(ro.truncated.float().mean()),
+            "groups/zero_signal_frac": float((~groups_with_signal(scores, ro.group_ids))
+                                             .view(-1, G).all(-1).float().mean()),
+            "groups/dropped": exp.dropped_groups, "sampling/rounds": exp.rounds,
+            "samples/backward_frac": float(live.float().mean()),
+            "optim/steps": n_steps,
+            "time/generate_s": t_gen - t0, "time/score_s": t_score - t_gen,
+            "time/train_s": t_train - t_score, "time/step_s": t_train - t0,
+            "time/tokens_per_s": float(ro.lengths.sum()) / max(t_gen - t0, 1e-9),
+        })
+        return record
+
+    def train(self) -> dict[str, float]:
+        cfg = self.cfg
+        seed_everything(cfg.seed)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        config_mod.dump(cfg, self.out_dir / "config.yaml")
+        writer = MetricsWriter(self.out_dir, cfg.tensorboard)
+        opt = torch.optim.AdamW(self.policy.parameters(), lr=cfg.lr,
+                                weight_decay=cfg.weight_decay, fused=True)
+        try:
+            start = self.evaluate()
+            writer.write(0, start)
+            print(json.dumps({"step": 0, **start}), flush=True)
+            last: dict[str, float] = {}
+            for step in range(1, cfg.max_steps + 1):
+                record = self.step(opt)
+                if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.max_steps:
+                    record.update(self.evaluate())
+                writer.write(step, record)
+                last.update(record)
+                if step % cfg.log_every == 0 or step == cfg.max_steps:
+                    print(f"[{cfg.algo}] step {step}/{cfg.max_steps}  reward "
+                          f"{record['reward/mean']:.3f}  sample acc "
+                          f"{record['reward/task_accuracy']:.3f}  "
+                          f"{record['time/step_s']:.2f} s/step", flush=True)
+                if cfg.save_every and step % cfg.save_every == 0 and step != cfg.max_steps:
+                    save_model(self.policy, self.tok, self.out_dir / f"checkpoint-{step}")
+            final = self.evaluate()
+            writer.write(cfg.max_steps, final)
+            last.update(final)
+            save_model(self.policy, self.tok, self.out_dir / "final")
+        finally:
+            writer.close()
+        print(json.dumps({"step": cfg.max_steps, "start/accuracy": start.get("eval/accuracy"),
+                          **final}), flush=True)
+        return last
 
 
 def run_rl(cfg: RLConfig) -> dict[str, float]:
-    seed_everything(cfg.seed)
-    algo = cfg.algorithm()
-    out_dir = Path(cfg.output_dir or f"runs/{cfg.algo}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    config_mod.dump(cfg, out_dir / "config.yaml")
-    tok = load_tokenizer(cfg.model, cfg.trust_remote_code)
-    policy = load_causal_lm(cfg.model, cfg.dtype, cfg.device, cfg.trust_remote_code)
-    ref = None
-    if algo.needs_reference:
-        ref = load_causal_lm(cfg.model, cfg.dtype, cfg.device, cfg.trust_remote_code)
-        ref.eval().requires_grad_(False)
-    device = next(policy.parameters()).device
-    if cfg.data is None:
-        train_rows = builtin_task.rl_rows(cfg.builtin_train_size, "train", cfg.seed)
-        eval_rows = builtin_task.rl_rows(cfg.builtin_eval_size, "eval", cfg.seed)
-        reward_fn = builtin_task.reward
-    else:
-        _, train_rows = data_mod.load(cfg.data, "rl")
-        eval_rows = data_mod.load(cfg.eval_data, "rl")[1] if cfg.eval_data else []
-        if not cfg.reward:
-            raise config_mod.ConfigError("--data needs --reward module:function")
-    if cfg.reward:
-        reward_fn = load_reward_function(cfg.reward)
-    params = SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens)
-    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                            fused=True)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    writer = MetricsWriter(out_dir, cfg.tensorboard)
-
-    def evaluate():
-        if not eval_rows:
-            return {}
-        r = evaluate_policy(policy, tok, eval_rows, reward_fn, cfg.max_new_tokens,
-                            cfg.eval_batch_size)
-        return {"eval/accuracy": r["accuracy"], "eval/mean_reward": r["mean_reward"]}
-
-    start = evaluate()
-    writer.write(0, start)
-    print(json.dumps({"step": 0, **start}))
-    order = torch.randperm(len(train_rows), generator=gen).tolist()
-    cursor = 0
-    last: dict[str, float] = {}
-    for step in range(1, cfg.max_steps + 1):
-        t0 = time.perf_counter()
-        if cursor + cfg.prompts_per_step > len(order):
-            order, cursor = torch.randperm(len(train_rows), generator=gen).tolist(), 0
-        rows = [train_rows[i] for i in order[cursor:cursor + cfg.prompts_per_step]]
-        cursor += cfg.prompts_per_step
-        prompts = [r["prompt"] for r in rows]
-        rollout = generate(policy, tok, prompts, cfg.group_size, params, gen)
-        t_gen = time.perf_counter()
-
-        rep = [r for r in rows for _ in range(cfg.group_size)]
-        columns = {k: [r.get(k) for r in rep] for k in rows[0] if k not in ("prompt", "_row")}
-        scores = torch.tensor(reward_fn([r["prompt"] for r in rep], rollout.texts, **columns),
-                              dtype=torch.float32)
-        task_scores = scores.clone()
-        if algo.overlong_shaping:
-            scores = scores + overlong_penalty(rollout.lengths, cfg.max_new_tokens,
-                                               min(cfg.overlong_cache, cfg.max_new_tokens))
-        t_score = time.perf_counter()
-
-        batch = {k: v.to(device) for k, v in _sequences(rollout, tok.pad_token_id).items()}
-        mask = batch["loss_mask"][:, 1:].float()  # (N, T-1) completion tokens
-        with torch.no_grad():
-            old = (completion_logprobs(policy, batch["input_ids"], batch["attention_mask"],
-                                       batch["loss_mask"]) if cfg.ppo_epochs > 1 else None)
-            ref_lp = (completion_logprobs(ref, batch["input_ids"], batch["attention_mask"],
-                                          batch["loss_mask"]) if ref is not None else None)
-        adv, _ = compute_advantages(algo, scores.to(device), rollout.group_ids.to(device), mask,
-                                    old, ref_lp)
-        # samples with no advantage and no KL term add nothing to the gradient
-        live = (adv != 0).any(-1) if algo.kl_coef == 0 else torch.ones(len(adv), dtype=torch.bool)
-        sums: dict[str, float] = {}
-        n_updates = 0
-        for _epoch in range(cfg.ppo_epochs):
-            perm = torch.randperm(len(adv), generator=gen)
-            for i in range(0, len(adv), cfg.minibatch_size):
-                idx = perm[i:i + cfg.minibatch_size].to(device)
-                norm = step_normalizer(mask[idx], algo.aggregation)
-                idx = idx[live[idx]]
-                if len(idx) == 0:
-                    continue
-                lp = completion_logprobs(policy, batch["input_ids"][idx],
-                                         batch["attention_mask"][idx], batch["loss_mask"][idx])
-                old_mb = lp.detach() if old is None else old[idx]
-                loss_tok, m = policy_objective(algo, lp, old_mb, adv[idx], mask[idx],
-                                               None if ref_lp is None else ref_lp[idx])
-                loss = aggregate_loss(loss_tok, mask[idx], algo.aggregation, norm,
-                                      constant=cfg.max_new_tokens)
-                loss.backward()
-                if cfg.max_grad_norm > 0:
-                    torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                n_updates += 1
-                for k, v in {"loss": loss.detach(), **m}.items():
-                    sums[k] = sums.get(k, 0.0) + float(v)
-        t_train = time.perf_counter()
-        groups = scores.view(-1, cfg.group_size)
-        record = {f"train/{k}": v / max(n_updates, 1) for k, v in sums.items()}
-        record.update({
-            "reward/mean": float(scores.mean()), "reward/std": float(scores.std()),
-            "reward/task_accuracy": float((task_scores >= 1).float().mean()),
-            "completion/length_mean": float(rollout.lengths.float().mean()),
-            "completion/length_max": float(rollout.lengths.max()),
-            "completion/truncated_frac": float(rollout.truncated.float().mean()),
-            "groups/zero_signal_frac": float((groups.max(1).values == groups.min(1).values)
-                                             .float().mean()),
-            "samples/backward_frac": float(live.float().mean()),
-            "time/generate_s": t_gen - t0, "time/score_s": t_score - t_gen,
-            "time/train_s": t_train - t_score, "time/step_s": t_train - t0,
-            "time/tokens_per_s": float(mask.sum()) / max(t_gen - t0, 1e-9),
-        })
-        if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.max_steps:
-            record.update(evaluate())
-        writer.write(step, record)
-        last.update(record)
-        if step % cfg.log_every == 0 or step == cfg.max_steps:
-            print(f"[{cfg.algo}] step {step}/{cfg.max_steps} reward {record['reward/mean']:.3f} "
-                  f"acc {record['reward/task_accuracy']:.3f} "
-                  f"{record['time/step_s']:.2f}s/step", flush=True)
-    final = evaluate()
-    writer.write(cfg.max_steps, final)
-    writer.close()
-    save_model(policy, tok, out_dir / "final")
-    last.update(final)
-    print(json.dumps({"step": cfg.max_steps, **final, "start/accuracy":
-                      start.get("eval/accuracy")}))
-    return last
+    return RLTrainer(cfg).train()

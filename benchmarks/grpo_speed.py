@@ -1,0 +1,172 @@
+"""GRPO seconds per step and peak memory: posttrain against TRL's ``GRPOTrainer``, same
+model, prompts, reward and settings, alternating runs in one session.
+
+Settings (``identical``): 8 prompts × 8 completions per step, up to 32 new tokens,
+temperature 1, β = 0.04, ε = 0.2, GRPO's per-sequence loss (TRL ``loss_type="grpo"``), one
+update per batch, fp32, no vLLM, gradient checkpointing off, lr 1e-5. ``defaults``: the same
+batch shape and algorithm name with each library's other defaults.
+
+Models: ``small`` (~0.5M: hidden 128, 2 layers) and ``medium`` (~25M: hidden 512, 8 layers),
+random init with the built-in byte tokenizer; the reward is the built-in task's exact answer
+(a random model scores 0, so both libraries see the same zero-advantage batches and both
+generate the full 32 tokens nearly always). Each run is a fresh subprocess; we report the
+median step (skipping ``--warmup`` steps), the median over repeats, their ratio, and each
+run's peak RSS (``wait4``).
+
+Usage: python benchmarks/grpo_speed.py [--sizes small medium] [--repeats 3] [--steps 8]
+Needs the bench extra: pip install -e '.[bench]'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from dpo_speed import SIZES
+
+PROMPTS, G, NEW, BETA, LR = 8, 8, 32, 0.04, 1e-5
+
+
+def _prepare(work: Path, size: str) -> Path:
+    from posttrain.builtin.build import init_model
+
+    model_dir = work / f"model-{size}"
+    if not model_dir.exists():
+        init_model(model_dir, **SIZES[size])
+    return model_dir
+
+
+def _run_posttrain(model_dir, steps, setting, out) -> dict:
+    from posttrain.trainers.online import RLConfig, run_rl
+
+    kw = dict(model=str(model_dir), output_dir=str(out), algo="grpo", max_steps=steps,
+              prompts_per_step=PROMPTS, group_size=G, max_new_tokens=NEW, lr=LR,
+              builtin_eval_size=0, eval_every=0, log_every=1000, device="cpu",
+              tensorboard=False)
+    if setting == "identical":
+        kw.update(kl_coef=BETA, minibatch_size=PROMPTS * G, micro_batch_size=PROMPTS * G)
+    cfg = RLConfig(**kw)
+    cfg.validate()
+    run_rl(cfg)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return {"step_s": [r["time/step_s"] for r in rows if "time/step_s" in r]}
+
+
+def _run_trl(model_dir, steps, setting, out) -> dict:
+    import datasets
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from posttrain.builtin import task
+
+    times: list[float] = []
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            self.t = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            times.append(time.perf_counter() - self.t)
+
+    ds = datasets.Dataset.from_list(task.rl_rows(PROMPTS * (steps + 2), "train"))
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    common = dict(output_dir=str(out), per_device_train_batch_size=PROMPTS * G,
+                  num_generations=G, max_completion_length=NEW, max_steps=steps,
+                  learning_rate=LR, report_to="none", save_strategy="no", use_cpu=True,
+                  disable_tqdm=True, logging_steps=10_000, dataloader_num_workers=0,
+                  temperature=1.0)
+    if setting == "identical":
+        args = GRPOConfig(**common, beta=BETA, epsilon=0.2, loss_type="grpo",
+                          scale_rewards="group", bf16=False, gradient_checkpointing=False,
+                          use_vllm=False, lr_scheduler_type="constant")
+    else:
+        args = GRPOConfig(**common)
+    trainer = GRPOTrainer(model=model, reward_funcs=[task.reward], args=args,
+                          train_dataset=ds, processing_class=tok, callbacks=[StepTimer()])
+    trainer.train()
+    return {"step_s": times}
+
+
+def _child(impl, size, setting, steps, work) -> int:
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+    model_dir = _prepare(work, size)
+    out = Path(tempfile.mkdtemp(prefix=f"{impl}-", dir=work))
+    fn = _run_posttrain if impl == "posttrain" else _run_trl
+    print("RESULT " + json.dumps(fn(model_dir, steps, setting, out)))
+    return 0
+
+
+def _spawn(cmd, env) -> tuple[str, str, int, float]:
+    """Run ``cmd``; return stdout, stderr, exit code and the child's peak RSS in MiB."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        return out.read(), err.read(), proc.returncode, usage.ru_maxrss / 1024
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", nargs="+", default=["small", "medium"], choices=list(SIZES))
+    p.add_argument("--settings", nargs="+", default=["identical", "defaults"])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--work", default=None)
+    p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    work = Path(args.work or tempfile.mkdtemp(prefix="posttrain-grpo-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    if args.child:
+        return _child(*args.child, args.steps, work)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    table = []
+    for size in args.sizes:
+        for setting in args.settings:
+            per = {"posttrain": [], "trl": []}
+            rss = {"posttrain": [], "trl": []}
+            for rep in range(args.repeats):
+                order = ("trl", "posttrain") if rep % 2 == 0 else ("posttrain", "trl")
+                for impl in order:
+                    cmd = [sys.executable, __file__, "--child", impl, size, setting,
+                           "--steps", str(args.steps), "--work", str(work)]
+                    out, err, code, peak = _spawn(cmd, env)
+                    line = [x for x in out.splitlines() if x.startswith("RESULT ")]
+                    if code != 0 or not line:
+                        print(out[-2000:], err[-4000:], file=sys.stderr)
+                        raise SystemExit(f"{impl} {size} {setting} failed")
+                    res = json.loads(line[0][7:])
+                    per[impl].append(statistics.median(res["step_s"][args.warmup:]))
+                    rss[impl].append(peak)
+                    print(f"{size:>6} {setting:>9} rep {rep} {impl:>9}: {per[impl][-1]:.3f} "
+                          f"s/step, peak RSS {peak:.0f} MiB", file=sys.stderr)
+            pt, trl = statistics.median(per["posttrain"]), statistics.median(per["trl"])
+            table.append((size, setting, trl, pt, trl / pt, statistics.median(rss["trl"]),
+                          statistics.median(rss["posttrain"])))
+    print(f"GRPO, {PROMPTS} prompts x {G} completions, {NEW} new tokens, fp32, CPU threads="
+          f"{env['OMP_NUM_THREADS']}, median of {args.repeats} alternating runs "
+          f"(steps {args.warmup + 1}-{args.steps})")
+    print("| model | setting | TRL s/step | posttrain s/step | speed-up | TRL peak RSS MiB | "
+          "posttrain peak RSS MiB |")
+    print("|---|---|---|---|---|---|---|")
+    for size, setting, trl, pt, ratio, r_trl, r_pt in table:
+        print(f"| {size} | {setting} | {trl:.3f} | {pt:.3f} | {ratio:.2f}x | {r_trl:.0f} | "
+              f"{r_pt:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
