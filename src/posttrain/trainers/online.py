@@ -98,6 +98,9 @@ class RLConfig(TrainConfig):
     """DAPO's soft overlong buffer L_cache, in tokens below max_new_tokens."""
     dynamic_sampling_rounds: int = 4
     """Most generation rounds per step when dynamic sampling refills the batch."""
+    skip_zero_advantage: bool = True
+    """Leave samples with zero advantage and no KL term out of the forward/backward pass
+    (the gradient is the same; false only to measure what skipping saves)."""
     eval_every: int = 20
     warmup_ratio: float = 0.0
     lr_schedule: str = "constant"
@@ -276,7 +279,7 @@ class RLTrainer:
                                     ro.group_ids.to(self.device), mask, old, ref)
         batch["loss_mask"] = torch.cat([batch["loss_mask"][:, :1],
                                         (mask > 0).long()], dim=1)  # skipped samples masked
-        live = ((adv != 0).any(-1) if algo.kl_coef == 0
+        live = ((adv != 0).any(-1) if algo.kl_coef == 0 and cfg.skip_zero_advantage
                 else mask.any(-1)) & exp.valid.to(self.device)
         t_score = time.perf_counter()
         sums: dict[str, float] = {}
