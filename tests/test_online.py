@@ -158,3 +158,29 @@ def test_rl_config_rejects_bad_values():
         RLConfig(group_size=1).validate()
     with pytest.raises(ConfigError):
         RLConfig(on_reward_error="ignore").validate()
+
+
+def test_reward_model_as_reward(tiny_model_dir, tmp_path, rl_files):
+    """rm:DIR scores prompt+completion with a scalar-head model; it combines with a function
+    term by weights, and each term is logged."""
+    from posttrain.modeling import load_reward_model, load_tokenizer, save_model
+    from posttrain.rewards import RewardModelReward, parse_rewards
+
+    reward, data = rl_files
+    tok = load_tokenizer(tiny_model_dir)
+    rm_dir = tmp_path / "rm"
+    save_model(load_reward_model(tiny_model_dir, tok, device="cpu"), tok, rm_dir)
+    rm = RewardModelReward(str(rm_dir), device="cpu")
+    scores = rm(["1+1=", "2+2="], ["2", "5"])
+    assert len(scores) == 2 and all(isinstance(x, float) for x in scores)
+    assert scores == rm(["1+1=", "2+2="], ["2", "5"])  # deterministic
+    terms = parse_rewards(f"rm:{rm_dir},{reward}:by_len", "0.5,2.0", device="cpu")
+    assert [t.weight for t in terms] == [0.5, 2.0]
+    out = tmp_path / "run"
+    run_rl(_cfg(tiny_model_dir, out, "grpo", data=str(data),
+                reward=f"rm:{rm_dir},{reward}:by_len", reward_weights="0.5,2.0"))
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    step = next(r for r in rows if "reward/mean" in r)
+    assert f"reward/rm:{rm_dir}" in step and "reward/by_len" in step
+    expected = 0.5 * step[f"reward/rm:{rm_dir}"] + 2.0 * step["reward/by_len"]
+    assert abs(step["reward/mean"] - expected) < 1e-4
