@@ -113,12 +113,13 @@ def test_reward_error_skip_counts_samples(tiny_model_dir, tmp_path, rl_files):
     assert [r["reward/skipped"] for r in rows if "reward/skipped" in r] == [1, 1]
 
 
+@pytest.mark.parametrize("share", [False, True])
 @pytest.mark.parametrize("algo", CRITIC_FREE)
-def test_gradient_independent_of_micro_batching(tiny_model_dir, tmp_path, rl_files, algo):
-    """One minibatch of 64 samples: micro-batches of 64, 16 and 1 give the same gradient."""
-    from posttrain.data import pad_sequences
-    from posttrain.modeling import completion_logprobs
-    from posttrain.trainers.online import accumulate_policy_gradient
+def test_gradient_independent_of_micro_batching(tiny_model_dir, tmp_path, rl_files, algo,
+                                                share):
+    """One minibatch of 64 samples: micro-batches of 64, 16 and 1 give the same gradient,
+    with full sequences and with each group's prompt shared by its completions."""
+    from posttrain.trainers.online import TokenBatch, accumulate_policy_gradient
 
     reward, data = rl_files
     trainer = RLTrainer(_cfg(tiny_model_dir, tmp_path, algo, data=str(data),
@@ -127,28 +128,44 @@ def test_gradient_independent_of_micro_batching(tiny_model_dir, tmp_path, rl_fil
     policy = trainer.policy.double()
     algo_rec = get_algorithm(algo, kl_coef=0.04)
     exp = trainer.collect()
-    ro = exp.rollout
-    comps = [r[m.bool()].tolist() for r, m in zip(ro.completion_ids, ro.completion_mask,
-                                                   strict=True)]
-    batch = pad_sequences(ro.prompt_ids, comps, trainer.tok.pad_token_id)
-    mask = batch["loss_mask"][:, 1:].double()
+    tokens = TokenBatch(exp.rollout, trainer.tok.pad_token_id, "cpu", share)
+    mask = tokens.completion_mask.double()
+    idx = torch.arange(len(tokens))
     with torch.no_grad():
-        old = completion_logprobs(policy, batch["input_ids"], batch["attention_mask"],
-                                  batch["loss_mask"])
+        old = tokens.logprobs(policy, idx)
     ref = old - 0.05 * torch.rand(old.shape, generator=torch.Generator().manual_seed(0),
                                   dtype=old.dtype)
     adv = torch.randn(mask.shape, dtype=torch.float64) * mask
-    idx = torch.arange(len(adv))
     live = torch.ones(len(adv), dtype=torch.bool)
     grads = []
     for micro in (64, 16, 1):
         policy.zero_grad()
-        accumulate_policy_gradient(policy, algo_rec, batch, idx, adv, old * 0.999, ref, live,
-                                   micro, constant=4)
+        accumulate_policy_gradient(policy, algo_rec, tokens, mask, idx, adv, old * 0.999, ref,
+                                   live, micro, constant=4)
         grads.append(torch.cat([p.grad.flatten() for p in policy.parameters()]))
     assert grads[0].abs().max() > 0
     torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=1e-6)
     torch.testing.assert_close(grads[2], grads[0], rtol=0, atol=1e-6)
+
+
+def test_shared_prompt_layout_equals_full_sequences(tiny_model_dir, tmp_path, rl_files):
+    """The two TokenBatch layouts give the same completion log-probs and entropies, for all
+    rows and for a subset that splits groups."""
+    from posttrain.trainers.online import TokenBatch
+
+    reward, data = rl_files
+    trainer = RLTrainer(_cfg(tiny_model_dir, tmp_path, "grpo", data=str(data),
+                             reward=f"{reward}:by_len", prompts_per_step=4, group_size=4))
+    exp = trainer.collect()
+    a = TokenBatch(exp.rollout, trainer.tok.pad_token_id, "cpu", True)
+    b = TokenBatch(exp.rollout, trainer.tok.pad_token_id, "cpu", False)
+    for rows in (torch.arange(len(a)), torch.tensor([1, 2, 7, 9, 15])):
+        with torch.no_grad():
+            lp_a, ent_a = a.logprobs(trainer.policy, rows, with_entropy=True)
+            lp_b, ent_b = b.logprobs(trainer.policy, rows, with_entropy=True)
+        torch.testing.assert_close(lp_a, lp_b, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ent_a, ent_b, rtol=1e-5, atol=1e-5)
+        assert (lp_a[a.completion_mask[rows] == 0] == 0).all()
 
 
 def test_rl_config_rejects_bad_values():

@@ -133,7 +133,9 @@ def cache_kwarg(module: torch.nn.Module) -> str:
 
 def shared_prompt_logprobs(model: PreTrainedModel, prompt_ids: torch.Tensor,
                            prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
-                           completion_mask: torch.Tensor) -> torch.Tensor:
+                           completion_mask: torch.Tensor,
+                           prompt_index: torch.Tensor | None = None,
+                           with_entropy: bool = False):
     """Log-probabilities of ``k`` completions per prompt with the prompt run once.
 
     ``prompt_ids``/``prompt_mask`` are ``(B, Lp)``, *left*-padded; ``completion_ids``/
@@ -144,12 +146,16 @@ def shared_prompt_logprobs(model: PreTrainedModel, prompt_ids: torch.Tensor,
     The prompt's keys and values are computed once and shared (with gradient) by its ``k``
     completions, so for DPO (k = 2) the prompt tokens cost one forward and backward instead
     of two. Equals :func:`completion_logprobs` on the concatenated sequences.
+    ``prompt_index`` ``(k·B,)`` overrides the block layout: row ``r`` continues prompt
+    ``prompt_index[r]`` (GRPO groups, any subset of them). ``with_entropy`` also returns the
+    entropy at the same positions (no gradient).
     """
     if not has_plain_head(model):
         raise ValueError("shared_prompt_logprobs needs logits = lm_head(hidden states)")
     B = prompt_ids.shape[0]
     k = completion_ids.shape[0] // B
-    rows = torch.arange(B, device=prompt_ids.device).repeat(k)  # (kB,) prompt of each row
+    rows = (torch.arange(B, device=prompt_ids.device).repeat(k) if prompt_index is None
+            else prompt_index)  # (kB,) prompt of each row
     positions = (prompt_mask.cumsum(-1) - 1).clamp_min(0)
     cache = DynamicCache()
     kw = cache_kwarg(model.base_model)
@@ -166,9 +172,14 @@ def shared_prompt_logprobs(model: PreTrainedModel, prompt_ids: torch.Tensor,
     # token t of a completion is predicted from the hidden state before it
     h = torch.cat([h_prompt[rows].unsqueeze(1), h_comp[:, :-1]], dim=1)  # (kB, Lc, H)
     target = completion_mask.bool()
-    lp = token_logprobs(model.get_output_embeddings()(h[target]), completion_ids[target])
-    out = torch.zeros(target.shape, dtype=lp.dtype, device=lp.device)
-    return out.masked_scatter(target, lp)
+    logits = model.get_output_embeddings()(h[target])
+    lp = token_logprobs(logits, completion_ids[target])
+    out = torch.zeros(target.shape, dtype=lp.dtype, device=lp.device).masked_scatter(target, lp)
+    if not with_entropy:
+        return out
+    with torch.no_grad():
+        ent = token_entropy(logits.detach())
+    return out, torch.zeros_like(out).masked_scatter(target, ent)
 
 
 def sequence_scores(model: PreTrainedModel, input_ids: torch.Tensor,
