@@ -90,6 +90,19 @@ def has_plain_head(model: PreTrainedModel) -> bool:
             and model.get_output_embeddings() is not None)
 
 
+def _scatter_logprobs(logits: torch.Tensor, labels: torch.Tensor, target: torch.Tensor,
+                      with_entropy: bool):
+    """Log-probs of ``labels`` from packed ``logits`` ``(N, V)``, written back to the
+    positions ``target`` marks (0 elsewhere); optionally the entropy too, without gradient."""
+    lp = token_logprobs(logits, labels)  # (N,)
+    out = torch.zeros(target.shape, dtype=lp.dtype, device=lp.device).masked_scatter(target, lp)
+    if not with_entropy:
+        return out
+    with torch.no_grad():
+        ent = token_entropy(logits.detach())
+    return out, torch.zeros_like(out).masked_scatter(target, ent)
+
+
 def completion_logprobs(model: PreTrainedModel, input_ids: torch.Tensor,
                         attention_mask: torch.Tensor, loss_mask: torch.Tensor,
                         with_entropy: bool = False):
@@ -110,13 +123,7 @@ def completion_logprobs(model: PreTrainedModel, input_ids: torch.Tensor,
     else:
         logits = model(input_ids=input_ids, attention_mask=attention_mask,
                        use_cache=False).logits[:, :-1][target]
-    lp = token_logprobs(logits, labels)  # (N,)
-    out = torch.zeros(target.shape, dtype=lp.dtype, device=lp.device).masked_scatter(target, lp)
-    if not with_entropy:
-        return out
-    with torch.no_grad():
-        ent = token_entropy(logits.detach())
-    return out, torch.zeros_like(out).masked_scatter(target, ent)
+    return _scatter_logprobs(logits, labels, target, with_entropy)
 
 
 @functools.cache
@@ -172,14 +179,8 @@ def shared_prompt_logprobs(model: PreTrainedModel, prompt_ids: torch.Tensor,
     # token t of a completion is predicted from the hidden state before it
     h = torch.cat([h_prompt[rows].unsqueeze(1), h_comp[:, :-1]], dim=1)  # (kB, Lc, H)
     target = completion_mask.bool()
-    logits = model.get_output_embeddings()(h[target])
-    lp = token_logprobs(logits, completion_ids[target])
-    out = torch.zeros(target.shape, dtype=lp.dtype, device=lp.device).masked_scatter(target, lp)
-    if not with_entropy:
-        return out
-    with torch.no_grad():
-        ent = token_entropy(logits.detach())
-    return out, torch.zeros_like(out).masked_scatter(target, ent)
+    logits = model.get_output_embeddings()(h[target])  # (N, V)
+    return _scatter_logprobs(logits, completion_ids[target], target, with_entropy)
 
 
 def sequence_scores(model: PreTrainedModel, input_ids: torch.Tensor,
