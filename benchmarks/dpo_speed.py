@@ -23,19 +23,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-SIZES = {
-    "small": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=4),
-    "medium": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
-                   num_attention_heads=8, num_key_value_heads=8),
-}
+sys.path.insert(0, str(Path(__file__).parent))
+from common import SIZES, alternate, child_env
+
 PAIRS, LR, BETA = 16, 1e-5, 0.1
 
 
@@ -130,40 +125,22 @@ def main() -> int:
         return _child(args)
 
     work = Path(args.work or tempfile.mkdtemp(prefix="posttrain-dpo-bench-"))
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     table = []
     for size in args.sizes:
         for setting in args.settings:
-            per = {"posttrain": [], "trl": []}
-            totals = {"posttrain": [], "trl": []}
-            for rep in range(args.repeats):
-                order = ("trl", "posttrain") if rep % 2 == 0 else ("posttrain", "trl")
-                for impl in order:
-                    cmd = [sys.executable, __file__, "--child", impl, size, setting,
-                           "--steps", str(args.steps), "--work", str(work)]
-                    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-                    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-                    if proc.returncode != 0 or not line:
-                        print(proc.stdout[-2000:], proc.stderr[-4000:], file=sys.stderr)
-                        raise SystemExit(f"{impl} {size} {setting} failed")
-                    res = json.loads(line[0][7:])
-                    per[impl].append(statistics.median(res["step_s"][args.warmup:]))
-                    totals[impl].append(res["total_s"])
-                    print(f"{size:>6} {setting:>9} rep {rep} {impl:>9}: "
-                          f"{per[impl][-1]:.4f} s/step, {res['total_s']:.1f} s total",
-                          file=sys.stderr)
-            pt, trl = statistics.median(per["posttrain"]), statistics.median(per["trl"])
-            table.append((size, setting, trl, pt, trl / pt, statistics.median(totals["trl"]),
-                          statistics.median(totals["posttrain"])))
-    print(f"DPO, {PAIRS} pairs/step, fp32, CPU threads={env['OMP_NUM_THREADS']}, "
+            res = alternate(__file__, size, setting, args.repeats,
+                            ["--steps", str(args.steps), "--work", str(work)], args.warmup)
+            table.append((size, setting, res["trl"], res["posttrain"]))
+    print(f"DPO, {PAIRS} pairs/step, fp32, CPU threads={child_env()['OMP_NUM_THREADS']}, "
           f"{args.steps} steps (first {args.warmup} skipped), median of {args.repeats} "
           "alternating runs")
     print("| model | setting | TRL s/step | posttrain s/step | speed-up | TRL run s | "
-          "posttrain run s |")
-    print("|---|---|---|---|---|---|---|")
-    for size, setting, trl, pt, ratio, tt, pp in table:
-        print(f"| {size} | {setting} | {trl:.4f} | {pt:.4f} | {ratio:.2f}x | {tt:.1f} | "
-              f"{pp:.1f} |")
+          "posttrain run s | TRL peak RSS MiB | posttrain peak RSS MiB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for size, setting, trl, pt in table:
+        print(f"| {size} | {setting} | {trl['step_s']:.4f} | {pt['step_s']:.4f} | "
+              f"{trl['step_s'] / pt['step_s']:.2f}x | {trl['total_s']:.1f} | "
+              f"{pt['total_s']:.1f} | {trl['rss_mib']:.0f} | {pt['rss_mib']:.0f} |")
     return 0
 
 

@@ -22,15 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from dpo_speed import SIZES
+from common import SIZES, alternate, child_env
 
 PROMPTS, G, NEW, BETA, LR = 8, 8, 32, 0.04, 1e-5
 
@@ -107,17 +105,6 @@ def _child(impl, size, setting, steps, work) -> int:
     return 0
 
 
-def _spawn(cmd, env) -> tuple[str, str, int, float]:
-    """Run ``cmd``; return stdout, stderr, exit code and the child's peak RSS in MiB."""
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env)
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        err.seek(0)
-        return out.read(), err.read(), proc.returncode, usage.ru_maxrss / 1024
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", nargs="+", default=["small", "medium"], choices=list(SIZES))
@@ -132,39 +119,22 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     if args.child:
         return _child(*args.child, args.steps, work)
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     table = []
     for size in args.sizes:
         for setting in args.settings:
-            per = {"posttrain": [], "trl": []}
-            rss = {"posttrain": [], "trl": []}
-            for rep in range(args.repeats):
-                order = ("trl", "posttrain") if rep % 2 == 0 else ("posttrain", "trl")
-                for impl in order:
-                    cmd = [sys.executable, __file__, "--child", impl, size, setting,
-                           "--steps", str(args.steps), "--work", str(work)]
-                    out, err, code, peak = _spawn(cmd, env)
-                    line = [x for x in out.splitlines() if x.startswith("RESULT ")]
-                    if code != 0 or not line:
-                        print(out[-2000:], err[-4000:], file=sys.stderr)
-                        raise SystemExit(f"{impl} {size} {setting} failed")
-                    res = json.loads(line[0][7:])
-                    per[impl].append(statistics.median(res["step_s"][args.warmup:]))
-                    rss[impl].append(peak)
-                    print(f"{size:>6} {setting:>9} rep {rep} {impl:>9}: {per[impl][-1]:.3f} "
-                          f"s/step, peak RSS {peak:.0f} MiB", file=sys.stderr)
-            pt, trl = statistics.median(per["posttrain"]), statistics.median(per["trl"])
-            table.append((size, setting, trl, pt, trl / pt, statistics.median(rss["trl"]),
-                          statistics.median(rss["posttrain"])))
+            res = alternate(__file__, size, setting, args.repeats,
+                            ["--steps", str(args.steps), "--work", str(work)], args.warmup)
+            table.append((size, setting, res["trl"], res["posttrain"]))
     print(f"GRPO, {PROMPTS} prompts x {G} completions, {NEW} new tokens, fp32, CPU threads="
-          f"{env['OMP_NUM_THREADS']}, median of {args.repeats} alternating runs "
+          f"{child_env()['OMP_NUM_THREADS']}, median of {args.repeats} alternating runs "
           f"(steps {args.warmup + 1}-{args.steps})")
     print("| model | setting | TRL s/step | posttrain s/step | speed-up | TRL peak RSS MiB | "
           "posttrain peak RSS MiB |")
     print("|---|---|---|---|---|---|---|")
-    for size, setting, trl, pt, ratio, r_trl, r_pt in table:
-        print(f"| {size} | {setting} | {trl:.3f} | {pt:.3f} | {ratio:.2f}x | {r_trl:.0f} | "
-              f"{r_pt:.0f} |")
+    for size, setting, trl, pt in table:
+        print(f"| {size} | {setting} | {trl['step_s']:.3f} | {pt['step_s']:.3f} | "
+              f"{trl['step_s'] / pt['step_s']:.2f}x | {trl['rss_mib']:.0f} | "
+              f"{pt['rss_mib']:.0f} |")
     return 0
 
 

@@ -1,0 +1,61 @@
+"""Shared machinery of the side-by-side benchmarks: model sizes, running each case in a fresh
+subprocess (with its peak RSS), and alternating the two libraries across repeats."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+SIZES = {
+    "small": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=4),
+    "medium": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+                   num_attention_heads=8, num_key_value_heads=8),
+}
+IMPLS = ("trl", "posttrain")
+
+
+def child_env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+
+
+def spawn(cmd: list[str], env: dict[str, str]) -> tuple[str, str, int, float]:
+    """Run ``cmd``; return stdout, stderr, exit code and the child's peak RSS in MiB."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env)
+        _, status, usage = os.wait4(proc.pid, 0)
+        code = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        return out.read(), err.read(), code, usage.ru_maxrss / 1024
+
+
+def alternate(script: str, size: str, setting: str, repeats: int, child_args: list[str],
+              warmup: int) -> dict[str, dict[str, float]]:
+    """Run ``script --child IMPL SIZE SETTING *child_args`` for both libraries, alternating
+    which goes first; each child prints ``RESULT {"step_s": [...], ...}``. Returns, per
+    library, the medians over repeats of: the median step after ``warmup`` (``step_s``), the
+    peak RSS (``rss_mib``) and, when reported, the whole run (``total_s``)."""
+    env = child_env()
+    runs: dict[str, list[dict]] = {impl: [] for impl in IMPLS}
+    for rep in range(repeats):
+        for impl in (IMPLS if rep % 2 == 0 else IMPLS[::-1]):
+            cmd = [sys.executable, script, "--child", impl, size, setting, *child_args]
+            out, err, code, peak = spawn(cmd, env)
+            line = [x for x in out.splitlines() if x.startswith("RESULT ")]
+            if code != 0 or not line:
+                print(out[-2000:], err[-4000:], file=sys.stderr)
+                raise SystemExit(f"{impl} {size} {setting} failed")
+            res = json.loads(line[0][len("RESULT "):])
+            run = {"step_s": statistics.median(res["step_s"][warmup:]), "rss_mib": peak}
+            if "total_s" in res:
+                run["total_s"] = res["total_s"]
+            runs[impl].append(run)
+            print(f"{size:>6} {setting:>9} rep {rep} {impl:>9}: {run['step_s']:.4f} s/step, "
+                  f"peak RSS {peak:.0f} MiB", file=sys.stderr)
+    return {impl: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+            for impl, rs in runs.items()}
