@@ -350,7 +350,7 @@ def test_single_prompt_single_sample(builtin):
 
 
 def test_sampler_matches_the_distribution():
-    """The exponential-race sampler draws each token with its softmax probability (and
+    """The inverse-CDF sampler draws each token with its softmax probability (and
     top-k renormalises): empirical frequencies over 40,000 draws within 4 standard errors."""
     from posttrain.rollout import SamplingParams, _sample
 
