@@ -284,16 +284,23 @@ def pad_sequences(prompts: list[list[int]], completions: list[list[int]], pad_id
     return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
 
 
+def pad_left(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ``(ids, mask)``, ``(B, Lp)``: every prompt ends at column ``Lp - 1``, so
+    continuations of all rows start at the same column."""
+    Lp = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (Lp - len(p)) + p for p in prompts])
+    mask = torch.arange(Lp) >= torch.tensor([Lp - len(p) for p in prompts])[:, None]
+    return ids, mask.long()
+
+
 def pad_shared_prompts(prompts: list[list[int]], completions: list[list[int]], pad_id: int
                        ) -> dict[str, torch.Tensor]:
     """Prompts once, left-padded ``(B, Lp)``, and their completions in blocks, right-padded
     ``(k·B, Lc)`` (rows ``j·B + i`` belong to prompt ``i``): the layout of
     :func:`posttrain.modeling.shared_prompt_logprobs`."""
-    Lp = max(len(p) for p in prompts)
+    prompt_ids, prompt_mask = pad_left(prompts, pad_id)
     Lc = max(len(c) for c in completions)
-    prompt_ids = torch.tensor([[pad_id] * (Lp - len(p)) + p for p in prompts])
-    prompt_mask = (torch.arange(Lp) >= torch.tensor([Lp - len(p) for p in prompts])[:, None])
     completion_ids = torch.tensor([c + [pad_id] * (Lc - len(c)) for c in completions])
     completion_mask = torch.arange(Lc) < torch.tensor([len(c) for c in completions])[:, None]
-    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask.long(),
+    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
             "completion_ids": completion_ids, "completion_mask": completion_mask.long()}

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from posttrain.data import pad_left
 from posttrain.modeling import cache_kwarg
 
 
@@ -229,11 +230,7 @@ def generate(model, tokenizer, prompts: list[str], n: int = 1,
     P, Lp = len(prompt_ids), max(len(x) for x in prompt_ids)
     N, T = P * n, params.max_new_tokens
 
-    ids = torch.full((P, Lp), pad_id, dtype=torch.long)
-    mask = torch.zeros(P, Lp, dtype=torch.long)
-    for i, x in enumerate(prompt_ids):  # left padding: every prompt ends at column Lp-1
-        ids[i, Lp - len(x):] = torch.tensor(x)
-        mask[i, Lp - len(x):] = 1
+    ids, mask = pad_left(prompt_ids, pad_id)  # every prompt ends at column Lp - 1
     ids, mask = ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp_min(0)
 

@@ -164,13 +164,12 @@ class TokenBatch:
         self.completion_mask = rollout.completion_mask.to(device)
         if share_prompt:
             groups, index = torch.unique(rollout.group_ids, return_inverse=True)
-            first = [int((rollout.group_ids == g).nonzero()[0]) for g in groups]
-            prompts = [rollout.prompt_ids[i] for i in first]
-            Lp = max(len(p) for p in prompts)
-            self.prompt_ids = torch.tensor([[pad_id] * (Lp - len(p)) + p for p in prompts],
-                                           device=device)
-            self.prompt_mask = (torch.arange(Lp) >= torch.tensor(
-                [Lp - len(p) for p in prompts])[:, None]).long().to(device)
+            rows = torch.arange(len(index))
+            first = torch.full((len(groups),), len(index)).scatter_reduce(
+                0, index, rows, reduce="amin")  # first sample of each group
+            ids, mask = data_mod.pad_left([rollout.prompt_ids[i] for i in first.tolist()],
+                                          pad_id)
+            self.prompt_ids, self.prompt_mask = ids.to(device), mask.to(device)
             self.prompt_index = index.to(device)
         else:
             completions = [r[m.bool()].tolist() for r, m in
