@@ -11,8 +11,6 @@ import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 
 def load_reward_function(spec: str) -> Callable:
     """``module:function`` or ``path/to/file.py:function`` → the callable."""
@@ -34,27 +32,16 @@ def load_reward_function(spec: str) -> Callable:
     return fn
 
 
-@torch.no_grad()
 def greedy_completions(model, tokenizer, prompts: list[str], max_new_tokens: int = 16,
                        batch_size: int = 64) -> list[str]:
-    """Greedy completions (text up to eos) of ``prompts``."""
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    side = tokenizer.padding_side
-    tokenizer.padding_side = "left"
+    """Greedy completions (text up to eos) of ``prompts``, through the rollout engine
+    (tested token-for-token equal to ``model.generate(do_sample=False)``)."""
+    from posttrain.rollout import SamplingParams, generate
+
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
     out: list[str] = []
-    try:
-        for i in range(0, len(prompts), batch_size):
-            enc = tokenizer(prompts[i:i + batch_size], return_tensors="pt", padding=True).to(device)
-            gen = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens,
-                                 pad_token_id=tokenizer.pad_token_id,
-                                 eos_token_id=tokenizer.eos_token_id)
-            out.extend(tokenizer.batch_decode(gen[:, enc["input_ids"].shape[1]:],
-                                              skip_special_tokens=True))
-    finally:
-        tokenizer.padding_side = side
-        model.train(was_training)
+    for i in range(0, len(prompts), batch_size):
+        out.extend(generate(model, tokenizer, prompts[i:i + batch_size], 1, params).texts)
     return out
 
 
