@@ -206,16 +206,19 @@ def test_builtin_missing_model_message(monkeypatch, tmp_path):
     assert modeling.resolve("some/hub-id") == "some/hub-id"
 
 
-def test_shared_prompt_logprobs_equal_full_sequences(tiny_model_dir):
+@pytest.mark.parametrize("packed,attn", [(True, "sdpa"), (True, "eager"), (False, "sdpa")])
+def test_shared_prompt_logprobs_equal_full_sequences(tiny_model_dir, packed, attn):
     """Running each prompt once for its k=2 completions (left-padded prompts, right-padded
     completions) gives the same per-sequence log-likelihoods and parameter gradients as the
-    concatenated full sequences."""
+    concatenated full sequences, packed into one call (with the 4-D mask in either
+    attention implementation's form) or in two calls."""
     import torch
 
     from posttrain.data import pad_sequences, pad_shared_prompts
     from posttrain.modeling import completion_logprobs, load_causal_lm, shared_prompt_logprobs
 
     model = load_causal_lm(tiny_model_dir, device="cpu")
+    model.set_attn_implementation(attn)
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
     completions = [[20, 21], [22], [23, 24, 25], [30], [31, 32, 33], [34, 35]]
     shared = pad_shared_prompts(prompts, completions, 0)
@@ -223,7 +226,8 @@ def test_shared_prompt_logprobs_equal_full_sequences(tiny_model_dir):
 
     model.zero_grad()
     a = shared_prompt_logprobs(model, shared["prompt_ids"], shared["prompt_mask"],
-                               shared["completion_ids"], shared["completion_mask"]).sum(-1)
+                               shared["completion_ids"], shared["completion_mask"],
+                               packed=packed).sum(-1)
     a.sum().backward()
     grads_a = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
@@ -234,6 +238,35 @@ def test_shared_prompt_logprobs_equal_full_sequences(tiny_model_dir):
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     for ga, gb in zip(grads_a, grads_b, strict=True):
         torch.testing.assert_close(ga, gb, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_shared_prompt_logprobs_prompt_index_uneven(tiny_model_dir, packed):
+    """GRPO layout: any subset of a group's completions, in any order, several per prompt
+    and none for some; per-token log-probs equal the full sequences' token by token."""
+    import torch
+
+    from posttrain.data import pad_left, pad_sequences
+    from posttrain.modeling import completion_logprobs, load_causal_lm, shared_prompt_logprobs
+
+    model = load_causal_lm(tiny_model_dir, device="cpu")
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    index = [2, 0, 2, 2, 0]  # prompt 1 has no completion here
+    completions = [[20, 21, 22, 23], [22], [23, 24, 25], [30], [31, 32]]
+    prompt_ids, prompt_mask = pad_left(prompts, 0)
+    Lc = max(map(len, completions))
+    comp_ids = torch.tensor([c + [0] * (Lc - len(c)) for c in completions])
+    comp_mask = torch.tensor([[1] * len(c) + [0] * (Lc - len(c)) for c in completions])
+    a = shared_prompt_logprobs(model, prompt_ids, prompt_mask, comp_ids, comp_mask,
+                               prompt_index=torch.tensor(index), packed=packed)
+    full = pad_sequences([prompts[i] for i in index], completions, 0)
+    b = completion_logprobs(model, full["input_ids"], full["attention_mask"],
+                            full["loss_mask"])
+    for r, c in enumerate(completions):
+        got = a[r, :len(c)]
+        want = b[r][full["loss_mask"][r, 1:].bool()]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert torch.all(a[r, len(c):] == 0)
 
 
 def test_pad_shared_prompts_layout():

@@ -117,13 +117,22 @@ def completion_logprobs(model: PreTrainedModel, input_ids: torch.Tensor,
     target = loss_mask[:, 1:].bool()  # (B, T-1)
     labels = input_ids[:, 1:][target]  # (N,)
     if has_plain_head(model):
-        hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                                  use_cache=False).last_hidden_state  # (B, T, H)
-        logits = model.get_output_embeddings()(hidden[:, :-1][target])  # (N, V)
+        hidden = completion_hidden(model, input_ids, attention_mask, loss_mask)
+        logits = model.get_output_embeddings()(hidden)  # (N, V)
     else:
         logits = model(input_ids=input_ids, attention_mask=attention_mask,
                        use_cache=False).logits[:, :-1][target]
     return _scatter_logprobs(logits, labels, target, with_entropy)
+
+
+def completion_hidden(model: PreTrainedModel, input_ids: torch.Tensor,
+                      attention_mask: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Last hidden states at the positions that predict the tokens ``loss_mask`` marks,
+    ``(N, H)`` in row-major order of ``loss_mask[:, 1:]``: what an LM head turns into
+    log-probs and a critic's value head into values ``V(x, y_<t)``."""
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                              use_cache=False).last_hidden_state  # (B, T, H)
+    return hidden[:, :-1][loss_mask[:, 1:].bool()]
 
 
 @functools.cache
@@ -142,7 +151,7 @@ def shared_prompt_logprobs(model: PreTrainedModel, prompt_ids: torch.Tensor,
                            prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
                            completion_mask: torch.Tensor,
                            prompt_index: torch.Tensor | None = None,
-                           with_entropy: bool = False):
+                           with_entropy: bool = False, packed: bool | None = None):
     """Log-probabilities of ``k`` completions per prompt with the prompt run once.
 
     ``prompt_ids``/``prompt_mask`` are ``(B, Lp)``, *left*-padded; ``completion_ids``/
@@ -156,13 +165,123 @@ def shared_prompt_logprobs(model: PreTrainedModel, prompt_ids: torch.Tensor,
     ``prompt_index`` ``(k·B,)`` overrides the block layout: row ``r`` continues prompt
     ``prompt_index[r]`` (GRPO groups, any subset of them). ``with_entropy`` also returns the
     entropy at the same positions (no gradient).
+
+    Two ways to run it (``packed``; ``None`` picks by cost, see :func:`_pack_pays`):
+
+    - *packed*: one forward call. Row ``i`` holds prompt ``i`` followed by all its
+      completions, without padding between them; a 4-D attention mask lets each completion
+      see the prompt and itself only, and position ids restart after the prompt for each
+      completion. Every weight is read once and its gradient is one matmul, at the price of
+      a dense attention over the whole row (wasted on masked entries).
+    - *two calls*: the prompts, then the completions over a KV cache of the prompts repeated
+      to each completion. Attention is exact-sized, but each weight is used twice.
     """
     if not has_plain_head(model):
         raise ValueError("shared_prompt_logprobs needs logits = lm_head(hidden states)")
+    hidden = shared_prompt_hidden(model, prompt_ids, prompt_mask, completion_ids,
+                                  completion_mask, prompt_index, packed)
+    logits = model.get_output_embeddings()(hidden)  # (N, V)
+    target = completion_mask.bool()
+    return _scatter_logprobs(logits, completion_ids[target], target, with_entropy)
+
+
+def shared_prompt_hidden(model: PreTrainedModel, prompt_ids: torch.Tensor,
+                         prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
+                         completion_mask: torch.Tensor,
+                         prompt_index: torch.Tensor | None = None,
+                         packed: bool | None = None) -> torch.Tensor:
+    """The hidden states behind :func:`shared_prompt_logprobs` (same arguments): the last
+    hidden state predicting each completion token, ``(N, H)`` in row-major order of
+    ``completion_mask``. Works for any model with a ``base_model`` (a critic's too)."""
     B = prompt_ids.shape[0]
     k = completion_ids.shape[0] // B
     rows = (torch.arange(B, device=prompt_ids.device).repeat(k) if prompt_index is None
             else prompt_index)  # (kB,) prompt of each row
+    if packed is None:
+        packed = _pack_pays(model, prompt_mask, completion_mask, rows)
+    target = completion_mask.bool()
+    if packed:
+        return _packed_hidden(model, prompt_ids, prompt_mask, completion_ids, target, rows)
+    return _two_call_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                            rows)[target]
+
+
+PACKABLE_ATTENTION = ("sdpa", "eager")
+
+
+def _pack_pays(model, prompt_mask, completion_mask, rows) -> bool:
+    """Whether one packed call is cheaper than two calls: the attention implementation takes
+    a custom 4-D mask, and the dense attention over the longest packed row costs at most a
+    quarter of the row's matmul FLOPs (attention ≈ 4·L²·d·layers, matmuls ≈ 2·N·L)."""
+    cfg = model.config
+    if getattr(cfg, "_attn_implementation", None) not in PACKABLE_ATTENTION:
+        return False
+    lengths = torch.zeros(prompt_mask.shape[0], dtype=torch.long, device=rows.device)
+    lengths.index_add_(0, rows, completion_mask.sum(-1).long())
+    longest = int((lengths + prompt_mask.sum(-1).long()).max())
+    hidden = getattr(cfg, "hidden_size", None)
+    layers = getattr(cfg, "num_hidden_layers", None)
+    if not hidden or not layers:
+        return False
+    n_params = sum(p.numel() for p in model.parameters())
+    return 4 * longest * hidden * layers <= 0.25 * 2 * n_params
+
+
+def _packed_hidden(model, prompt_ids, prompt_mask, completion_ids, target, rows):
+    """Hidden states predicting each completion token ``(N, H)`` (N = ``target.sum()``, in
+    row-major order of ``target``) from one call over rows ``[prompt, completion, ...]``."""
+    dev = prompt_ids.device
+    B, Lp = prompt_ids.shape
+    p_len = prompt_mask.sum(-1).long()  # (B,)
+    c_len = target.sum(-1).long()  # (R,)
+    # start of each completion in its packed row: after the prompt and the earlier completions
+    order = torch.argsort(rows, stable=True)
+    sorted_len = c_len[order]
+    first_of_prompt = torch.zeros(B + 1, dtype=torch.long, device=dev)
+    first_of_prompt.index_add_(0, rows + 1, torch.ones_like(rows))
+    first_of_prompt = first_of_prompt.cumsum(0)  # (B+1,) first sorted completion of each prompt
+    csum = torch.cat([sorted_len.new_zeros(1), sorted_len.cumsum(0)])  # (R+1,)
+    start_sorted = p_len[rows[order]] + csum[:-1] - csum[first_of_prompt[rows[order]]]
+    start = torch.empty_like(start_sorted).scatter_(0, order, start_sorted)  # (R,)
+    row_len = p_len.clone().index_add_(0, rows, c_len)
+    L = int(row_len.max())
+    ids = prompt_ids.new_zeros(B, L)
+    pos = torch.zeros(B, L, dtype=torch.long, device=dev)
+    seg = torch.full((B, L), -1, dtype=torch.long, device=dev)  # 0 prompt, r+1 completion r
+    # prompts: left-padded column j holds token j - (Lp - p_len) of the packed row
+    pb, pj = prompt_mask.bool().nonzero(as_tuple=True)
+    pcol = pj - (Lp - p_len[pb])
+    ids[pb, pcol] = prompt_ids[pb, pj]
+    pos[pb, pcol] = pcol
+    seg[pb, pcol] = 0
+    # completions
+    cr, ct = target.nonzero(as_tuple=True)  # row-major, the order of the result
+    cb = rows[cr]
+    ccol = start[cr] + ct
+    ids[cb, ccol] = completion_ids[cr, ct]
+    pos[cb, ccol] = p_len[cb] + ct
+    seg[cb, ccol] = cr + 1
+    # key k is visible from query q if k <= q and k is in the prompt (seen from a prompt or
+    # completion token) or in q's own segment; padding sees padding, so no row is empty
+    causal = torch.ones(L, L, dtype=torch.bool, device=dev).tril()
+    visible = ((seg.unsqueeze(1) == seg.unsqueeze(2))
+               | ((seg.unsqueeze(1) == 0) & (seg.unsqueeze(2) >= 0))) & causal  # (B, q, k)
+    mask = visible.unsqueeze(1)  # (B, 1, L, L)
+    dtype = model.get_input_embeddings().weight.dtype
+    if model.config._attn_implementation == "eager":
+        mask = torch.zeros(mask.shape, dtype=dtype, device=dev).masked_fill_(
+            ~mask, torch.finfo(dtype).min)
+    hidden = model.base_model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                              use_cache=False).last_hidden_state  # (B, L, H)
+    # token t of completion r is predicted at the slot before it: the prompt's last token
+    # for t = 0, else the completion's own token t - 1
+    src = torch.where(ct == 0, p_len[cb] - 1, ccol - 1)
+    return hidden[cb, src]
+
+
+def _two_call_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask, rows):
+    """Hidden states predicting each completion position ``(R, Lc, H)``: the prompts run
+    once into a KV cache, which is repeated to each completion for a second call."""
     positions = (prompt_mask.cumsum(-1) - 1).clamp_min(0)
     cache = DynamicCache()
     kw = cache_kwarg(model.base_model)
@@ -177,10 +296,7 @@ def shared_prompt_logprobs(model: PreTrainedModel, prompt_ids: torch.Tensor,
                               position_ids=c_positions, use_cache=True,
                               **{kw: cache}).last_hidden_state  # (kB, Lc, H)
     # token t of a completion is predicted from the hidden state before it
-    h = torch.cat([h_prompt[rows].unsqueeze(1), h_comp[:, :-1]], dim=1)  # (kB, Lc, H)
-    target = completion_mask.bool()
-    logits = model.get_output_embeddings()(h[target])  # (N, V)
-    return _scatter_logprobs(logits, completion_ids[target], target, with_entropy)
+    return torch.cat([h_prompt[rows].unsqueeze(1), h_comp[:, :-1]], dim=1)
 
 
 def sequence_scores(model: PreTrainedModel, input_ids: torch.Tensor,
