@@ -1,6 +1,6 @@
 """The ``posttrain`` command line.
 
-    posttrain sft|rm|dpo|grpo [--config FILE.yaml] [--key value ...]
+    posttrain sft|rm|dpo|grpo|ppo [--config FILE.yaml] [--key value ...]
     posttrain eval --model DIR [--task builtin | --data FILE --reward module:function]
     posttrain demo
 
@@ -26,6 +26,9 @@ COMMANDS = {
     "grpo": ("on-policy RL with a verifiable reward: --algo grpo, dapo, gspo, gspo_token, "
              "dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline", "online", "RLConfig",
              "run_rl"),
+    "ppo": ("RLHF with a per-token KL penalty in the reward: --algo ppo (actor, critic, "
+            "reference, reward model or function), reinforce_pp, reinforce_pp_baseline",
+            "online", "PPOConfig", "run_rl"),
 }
 
 

@@ -209,12 +209,17 @@ def shared_prompt_hidden(model: PreTrainedModel, prompt_ids: torch.Tensor,
 PACKABLE_ATTENTION = ("sdpa", "eager")
 
 
+def packs_shared_prompts(model: PreTrainedModel) -> bool:
+    """Whether the model's attention takes the custom 4-D mask of the packed layout."""
+    return getattr(model.config, "_attn_implementation", None) in PACKABLE_ATTENTION
+
+
 def _pack_pays(model, prompt_mask, completion_mask, rows) -> bool:
     """Whether one packed call is cheaper than two calls: the attention implementation takes
     a custom 4-D mask, and the dense attention over the longest packed row costs at most a
     quarter of the row's matmul FLOPs (attention ≈ 4·L²·d·layers, matmuls ≈ 2·N·L)."""
     cfg = model.config
-    if getattr(cfg, "_attn_implementation", None) not in PACKABLE_ATTENTION:
+    if not packs_shared_prompts(model):
         return False
     lengths = torch.zeros(prompt_mask.shape[0], dtype=torch.long, device=rows.device)
     lengths.index_add_(0, rows, completion_mask.sum(-1).long())
@@ -297,6 +302,14 @@ def _two_call_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_
                               **{kw: cache}).last_hidden_state  # (kB, Lc, H)
     # token t of a completion is predicted from the hidden state before it
     return torch.cat([h_prompt[rows].unsqueeze(1), h_comp[:, :-1]], dim=1)
+
+
+def value_head(model: PreTrainedModel) -> torch.nn.Module:
+    """The scalar head of a reward or critic model (``*ForSequenceClassification.score``)."""
+    head = getattr(model, "score", None)
+    if not isinstance(head, torch.nn.Module):
+        raise ValueError(f"{type(model).__name__} has no scalar `score` head to use as a critic")
+    return head
 
 
 def sequence_scores(model: PreTrainedModel, input_ids: torch.Tensor,

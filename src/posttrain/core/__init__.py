@@ -19,6 +19,7 @@ from posttrain.core.dapo import groups_with_signal, overlong_penalty
 from posttrain.core.kl import AdaptiveKLController, FixedKLController, kl_penalty
 from posttrain.core.logprobs import token_entropy, token_logprobs
 from posttrain.core.masked import (
+    RunningMoments,
     masked_count,
     masked_mean,
     masked_min_max,
@@ -37,6 +38,7 @@ from posttrain.core.preference import bradley_terry_loss, dpo_loss
 
 __all__ = [
     "AGGREGATIONS", "ALGORITHMS", "AdaptiveKLController", "Algorithm", "FixedKLController",
+    "RunningMoments",
     "aggregate_loss", "bradley_terry_loss", "discounted_returns", "dpo_loss",
     "explained_variance", "gae", "get_algorithm", "group_advantages", "groups_with_signal",
     "gspo_loss", "gspo_token_loss", "kl_penalty", "masked_count", "masked_mean",

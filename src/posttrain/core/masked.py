@@ -75,3 +75,40 @@ def masked_min_max(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, t
     any_ = m.any()
     zero = torch.zeros((), dtype=x.dtype, device=x.device)
     return torch.where(any_, lo, zero), torch.where(any_, hi, zero)
+
+
+class RunningMoments:
+    """Mean and standard deviation of every value seen so far (Chan et al.'s parallel update,
+    in float64), for normalising reward-model scores across steps rather than per batch."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.mean = 0.0
+        self.m2 = 0.0  # sum of squared deviations from the mean
+
+    @property
+    def std(self) -> float:
+        return (self.m2 / (self.count - 1)) ** 0.5 if self.count > 1 else 1.0
+
+    def update(self, x: torch.Tensor) -> None:
+        x = x.detach().double().flatten()
+        x = x[torch.isfinite(x)]
+        n = x.numel()
+        if n == 0:
+            return
+        mean = float(x.mean())
+        m2 = float(((x - mean) ** 2).sum())
+        total = self.count + n
+        delta = mean - self.mean
+        self.mean += delta * n / total
+        self.m2 += m2 + delta * delta * self.count * n / total
+        self.count = total
+
+    def normalize(self, x: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+        return (x - self.mean) / max(self.std, eps)
+
+    def state_dict(self) -> dict[str, float]:
+        return {"count": self.count, "mean": self.mean, "m2": self.m2}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.count, self.mean, self.m2 = int(state["count"]), state["mean"], state["m2"]

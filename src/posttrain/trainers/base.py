@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from safetensors.torch import load_file, save_file
 
 from posttrain import config as config_mod
 from posttrain.modeling import save_model
@@ -46,6 +47,26 @@ def lr_lambda(schedule: str, warmup: int, total: int):
             return max(0.0, 1.0 - progress)
         return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
     return fn
+
+
+def save_optimizer(opt: torch.optim.Optimizer, path: Path) -> None:
+    """``path.safetensors`` (per-parameter state tensors) and ``path.json`` (hyper-parameter
+    groups): an optimiser state without pickle."""
+    sd = opt.state_dict()
+    tensors = {f"{pid}.{k}": (v if torch.is_tensor(v) else torch.tensor(v)).contiguous()
+               for pid, st in sd["state"].items() for k, v in st.items()}
+    save_file(tensors, str(path.with_suffix(".safetensors")))
+    path.with_suffix(".json").write_text(json.dumps(sd["param_groups"]))
+
+
+def load_optimizer(opt: torch.optim.Optimizer, path: Path) -> None:
+    """Restore what :func:`save_optimizer` wrote into ``opt`` (same parameters, same order)."""
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in load_file(str(path.with_suffix(".safetensors"))).items():
+        pid, name = key.split(".", 1)
+        state.setdefault(int(pid), {})[name] = value
+    groups = json.loads(path.with_suffix(".json").read_text())
+    opt.load_state_dict({"state": state, "param_groups": groups})
 
 
 class MetricsWriter:

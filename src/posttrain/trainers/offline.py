@@ -24,6 +24,7 @@ from posttrain.modeling import (
     load_causal_lm,
     load_reward_model,
     load_tokenizer,
+    packs_shared_prompts,
     sequence_scores,
     shared_prompt_logprobs,
 )
@@ -31,9 +32,10 @@ from posttrain.trainers.base import Trainer, seed_everything
 
 log = logging.getLogger(__name__)
 
-# Below this size a DPO step is bound by per-call overhead, and running the prompt in its own
-# forward call costs more than the prompt tokens it saves (speed-up over TRL measured on 2 CPU
-# cores, shared vs full sequences: 0.87x vs 1.07x at 0.5M parameters, 1.31x vs 1.10x at 25M).
+# When a pair's prompt and completions cannot go into one packed call (the attention takes
+# no 4-D mask), sharing the prompt costs a second forward call, which below this size costs
+# more than the prompt tokens it saves (speed-up over TRL measured on 2 CPU cores, two-call
+# shared vs full sequences: 0.87x vs 1.07x at 0.5M parameters, 1.31x vs 1.10x at 25M).
 SHARE_PROMPT_MIN_PARAMS = 2_000_000
 
 
@@ -80,8 +82,9 @@ class DPOConfig(TrainConfig):
     """Compute the reference log-likelihoods once before training and free the reference."""
     share_prompt: bool | None = None
     """Run each prompt once for both its completions (its keys and values are shared, with
-    gradient); false = two full sequences per pair; none = automatic: on for models of 2M
-    parameters or more (below that the extra forward call costs more than it saves)."""
+    gradient); false = two full sequences per pair; none = automatic: on when the pair fits
+    one packed forward call (sdpa or eager attention), else on from 2M parameters (below
+    that a second forward call costs more than it saves)."""
 
     def validate(self) -> None:
         super().validate()
@@ -170,7 +173,8 @@ class DPOTrainer(Trainer):
         self.ref_model = ref_model.eval().requires_grad_(False)
         share = cfg.share_prompt
         if share is None:
-            share = sum(p.numel() for p in model.parameters()) >= SHARE_PROMPT_MIN_PARAMS
+            share = (packs_shared_prompts(model)
+                     or sum(p.numel() for p in model.parameters()) >= SHARE_PROMPT_MIN_PARAMS)
         self.share_prompt = share and has_plain_head(model)
         if cfg.precompute_ref:
             for examples in (self.train_examples, self.eval_examples):

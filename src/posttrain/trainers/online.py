@@ -1,5 +1,6 @@
-"""One on-policy loop for the critic-free RL algorithms of the table (grpo, dapo, gspo,
-gspo_token, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline).
+"""One on-policy loop for every RL algorithm of the table: the critic-free ones (grpo, dapo,
+gspo, gspo_token, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline) and RLHF-PPO with its
+four models (actor, critic, frozen reference, reward model or function).
 
 Each step:
 
@@ -7,11 +8,18 @@ Each step:
    with dynamic sampling (DAPO) groups whose rewards are all equal are dropped and more
    prompts are sampled, up to ``dynamic_sampling_rounds`` rounds;
 2. **score** with the reward terms (plus DAPO's overlong shaping when the algorithm asks);
-3. **advantages** with the algorithm's estimator;
-4. ``ppo_epochs`` passes of **minibatch updates** against the old log-probabilities, each
-   optimiser step accumulated over micro-batches with the loss normalised by the token or
-   sequence count of the whole minibatch, optional KL to a frozen reference;
-5. **metrics** to metrics.jsonl.
+   The score may get a missing-EOS penalty, running normalisation and clipping;
+3. **advantages** with the algorithm's estimator: group statistics, or per-token rewards with
+   a KL penalty to the reference (fixed or adaptive coefficient) followed by GAE over the
+   critic's values (PPO) or discounted returns (REINFORCE++);
+4. ``ppo_epochs`` passes of **minibatch updates** over the step's samples (the experience
+   buffer, discarded afterwards) against the old log-probabilities, each optimiser step
+   accumulated over micro-batches with the loss normalised by the token or sequence count of
+   the whole minibatch, optional KL to a frozen reference in the loss; the critic, when
+   there is one, takes its clipped value-loss step on the same minibatch (and alone during
+   ``critic_warmup_steps``);
+5. **metrics** to metrics.jsonl, checkpoints (actor, critic, optimiser and loop state) that
+   ``resume_from`` continues.
 
 The loop never branches on the algorithm's name; it reads the
 :class:`posttrain.core.algorithms.Algorithm` record. Samples whose advantage is zero on every
@@ -26,19 +34,28 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from posttrain import config as config_mod
 from posttrain import data as data_mod
 from posttrain.builtin import task as builtin_task
 from posttrain.config import ConfigError, TrainConfig, _check
 from posttrain.core import (
+    AdaptiveKLController,
+    FixedKLController,
+    RunningMoments,
     aggregate_loss,
+    explained_variance,
     groups_with_signal,
+    kl_penalty,
     masked_mean,
+    masked_sum,
     overlong_penalty,
     step_normalizer,
+    value_loss,
 )
 from posttrain.core.algorithms import (
     ALGORITHMS,
@@ -47,27 +64,38 @@ from posttrain.core.algorithms import (
     get_algorithm,
     policy_objective,
 )
-from posttrain.evaluate import evaluate_policy
+from posttrain.evaluate import greedy_completions
 from posttrain.modeling import (
+    completion_hidden,
     completion_logprobs,
     has_plain_head,
     load_causal_lm,
+    load_reward_model,
     load_tokenizer,
     save_model,
+    shared_prompt_hidden,
     shared_prompt_logprobs,
+    value_head,
 )
 from posttrain.rewards import parse_rewards, score
 from posttrain.rollout import Rollout, SamplingParams, concat, generate, select
-from posttrain.trainers.base import MetricsWriter, seed_everything
+from posttrain.trainers.base import (
+    MetricsWriter,
+    load_optimizer,
+    save_optimizer,
+    seed_everything,
+)
 
 log = logging.getLogger(__name__)
 CRITIC_FREE = [name for name, a in ALGORITHMS.items() if not a.critic]
+RLHF = ["ppo", "reinforce_pp", "reinforce_pp_baseline"]  # per-token KL in the reward
 
 
 @dataclass
 class RLConfig(TrainConfig):
     """On-policy RL with verifiable rewards (the GRPO family)."""
 
+    ALGOS: ClassVar[list[str]] = CRITIC_FREE
     algo: str = "grpo"
     """grpo, dapo, gspo, gspo_token, dr_grpo, rloo, reinforce_pp or reinforce_pp_baseline."""
     reward: str | None = None
@@ -77,6 +105,13 @@ class RLConfig(TrainConfig):
     """Weights of the reward terms, comma-separated (default 1 each)."""
     on_reward_error: str = "raise"
     """raise: stop on a reward that fails or is NaN; skip: leave the sample out and count it."""
+    missing_eos_penalty: float = 0.0
+    """Subtracted from the score of completions that hit max_new_tokens without eos or a
+    stop string."""
+    reward_normalize: bool = False
+    """Normalise scores by the running mean and std of every score seen so far."""
+    reward_clip: float = 0.0
+    """Clip scores (after normalisation) to [-c, c]; 0 = no clipping."""
     lr: float = 1e-4
     max_steps: int = 60
     prompts_per_step: int = 16
@@ -97,6 +132,20 @@ class RLConfig(TrainConfig):
     """Stop strings, comma-separated (eos always stops)."""
     kl_coef: float | None = None
     """Override the algorithm's β (KL to the reference in the loss)."""
+    reward_kl_coef: float | None = None
+    """Override k, the coefficient of the per-token KL penalty in the reward (ppo,
+    reinforce_pp*); with kl_target set, its starting value."""
+    reward_kl_estimator: str | None = None
+    """Override the estimator of that penalty: k1 (default), k2 or k3."""
+    kl_target: float = 0.0
+    """Adaptive KL (Ziegler et al.): move k so the mean per-sequence KL to the reference
+    tracks this many nats; 0 = fixed k."""
+    kl_horizon: float = 10000.0
+    """Samples over which the adaptive controller may move k by up to ±20%."""
+    gamma: float | None = None
+    """Override the discount γ of token-level returns (ppo, reinforce_pp*)."""
+    lam: float | None = None
+    """Override GAE's λ (ppo)."""
     clip_low: float | None = None
     """Override the algorithm's ε_low."""
     clip_high: float | None = None
@@ -111,14 +160,21 @@ class RLConfig(TrainConfig):
     skip_zero_advantage: bool = True
     """Leave samples with zero advantage and no KL term out of the forward/backward pass
     (the gradient is the same; false only to measure what skipping saves)."""
+    resume_from: str | None = None
+    """A checkpoint-<step>/ directory of an earlier run of the same config: continue from
+    its actor, critic, optimiser states and loop state up to max_steps."""
     eval_every: int = 20
     warmup_ratio: float = 0.0
     lr_schedule: str = "constant"
 
     def validate(self) -> None:
         super().validate()
-        _check(self.algo in CRITIC_FREE, f"algo must be one of {', '.join(CRITIC_FREE)}")
-        _check(self.group_size >= 2, "group_size must be ≥ 2")
+        _check(self.algo in self.ALGOS, f"algo must be one of {', '.join(self.ALGOS)}")
+        _check(self.group_size >= 2 or not self.algorithm().needs_groups,
+               f"group_size must be ≥ 2 for {self.algo}")
+        _check(self.reward_clip >= 0 and self.missing_eos_penalty >= 0 and self.kl_target >= 0
+               and self.kl_horizon > 0, "reward_clip, missing_eos_penalty and kl_target must "
+               "be ≥ 0 and kl_horizon > 0")
         _check(min(self.prompts_per_step, self.minibatch_size, self.micro_batch_size,
                    self.ppo_epochs, self.dynamic_sampling_rounds, self.max_new_tokens) >= 1,
                "prompts_per_step, minibatch_size, micro_batch_size, ppo_epochs, "
@@ -126,10 +182,56 @@ class RLConfig(TrainConfig):
         _check(self.on_reward_error in ("raise", "skip"), "on_reward_error must be raise or skip")
         _check(self.temperature > 0, "temperature must be > 0 for RL sampling")
 
+    def _overrides(self) -> dict:
+        return {"kl_coef": self.kl_coef, "clip_low": self.clip_low,
+                "clip_high": self.clip_high, "reward_kl_coef": self.reward_kl_coef,
+                "reward_kl_estimator": self.reward_kl_estimator, "gamma": self.gamma,
+                "lam": self.lam}
+
     def algorithm(self) -> Algorithm:
-        overrides = {k: v for k, v in (("kl_coef", self.kl_coef), ("clip_low", self.clip_low),
-                                       ("clip_high", self.clip_high)) if v is not None}
-        return get_algorithm(self.algo, **overrides)
+        try:
+            return get_algorithm(self.algo, **{k: v for k, v in self._overrides().items()
+                                               if v is not None})
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
+@dataclass
+class PPOConfig(RLConfig):
+    """RLHF with a per-token KL penalty in the reward: PPO with a critic (actor, critic,
+    frozen reference, reward model or function), or REINFORCE++ without one."""
+
+    ALGOS: ClassVar[list[str]] = RLHF
+    algo: str = "ppo"
+    """ppo (actor + critic, GAE), reinforce_pp or reinforce_pp_baseline (no critic)."""
+    critic_model: str | None = None
+    """Where the critic starts: a reward-model (posttrain rm) or causal-LM directory; none =
+    the reward model when the reward is a single rm:DIR term, else the policy's weights with
+    a fresh value head."""
+    critic_lr: float = 1e-4
+    """Learning rate of the critic (its own AdamW)."""
+    critic_warmup_steps: int = 0
+    """First steps that train the critic only, leaving the actor as it is."""
+    value_clip: float | None = None
+    """Override ε_v of the clipped value loss (0.2); 0 = unclipped."""
+    value_coef: float | None = None
+    """Override c_v, the weight of the value loss (0.5)."""
+    prompts_per_step: int = 32
+    group_size: int = 4
+    minibatch_size: int = 64
+    micro_batch_size: int = 64
+    ppo_epochs: int = 2
+    lr: float = 5e-5
+
+    def validate(self) -> None:
+        super().validate()
+        _check(self.critic_lr > 0 and self.critic_warmup_steps >= 0,
+               "critic_lr must be > 0 and critic_warmup_steps ≥ 0")
+
+    def _overrides(self) -> dict:
+        value_clip = self.value_clip if self.value_clip != 0 else None
+        return {**super()._overrides(), "value_coef": self.value_coef,
+                **({"value_clip": value_clip} if self.value_clip is not None else {})}
 
 
 @dataclass
@@ -140,6 +242,7 @@ class Experience:
     scores: torch.Tensor  # (N,) total reward used for advantages
     terms: dict[str, torch.Tensor]  # per reward term (N,)
     valid: torch.Tensor  # (N,) False for samples skipped on a reward error
+    correct: torch.Tensor  # (N,) bool: task accuracy (see RLTrainer._correct)
     rounds: int
     dropped_groups: int
 
@@ -203,6 +306,24 @@ class TokenBatch:
         res = [torch.where(mask, x.gather(1, cols), 0.0) for x in outs]
         return tuple(res) if with_entropy else res[0]
 
+    def values(self, critic, rows: torch.Tensor) -> torch.Tensor:
+        """The critic's ``V(x, y_<t)`` for each completion token of ``rows``,
+        ``(len(rows), Lc)``: its value head on the hidden state that precedes the token (the
+        state the policy acts in), 0 where the mask is 0."""
+        mask = self.completion_mask[rows]
+        if self.share:
+            groups, index = torch.unique(self.prompt_index[rows], return_inverse=True)
+            hidden = shared_prompt_hidden(critic, self.prompt_ids[groups],
+                                          self.prompt_mask[groups], self.completion_ids[rows],
+                                          mask, prompt_index=index)
+        else:
+            hidden = completion_hidden(critic, self.full["input_ids"][rows],
+                                       self.full["attention_mask"][rows],
+                                       self.full["loss_mask"][rows])
+        v = value_head(critic)(hidden).squeeze(-1).float()  # (N,)
+        target = mask.bool()
+        return torch.zeros(target.shape, dtype=v.dtype, device=v.device).masked_scatter(target, v)
+
 
 def accumulate_policy_gradient(policy, algo: Algorithm, tokens: TokenBatch, mask: torch.Tensor,
                                idx: torch.Tensor, adv: torch.Tensor, old: torch.Tensor | None,
@@ -232,13 +353,42 @@ def accumulate_policy_gradient(policy, algo: Algorithm, tokens: TokenBatch, mask
     return {k: (v if k == "loss" else v / max(n_micro, 1)) for k, v in sums.items()}
 
 
+def accumulate_value_gradient(critic, algo: Algorithm, tokens: TokenBatch, mask: torch.Tensor,
+                              idx: torch.Tensor, old_values: torch.Tensor,
+                              returns: torch.Tensor, live: torch.Tensor,
+                              micro_batch_size: int) -> dict[str, float]:
+    """Backward ``c_v ·`` the clipped value loss of the minibatch ``idx`` in micro-batches, a
+    token mean normalised over the whole minibatch (so the gradient does not depend on
+    ``micro_batch_size``). Returns the loss sum and metric means over micro-batches."""
+    norm = step_normalizer(mask[idx], "token_mean")
+    rows = idx[live[idx]]
+    sums: dict[str, float] = {"value_loss": 0.0, "value_clip_frac": 0.0}
+    n_micro = 0
+    for i in range(0, len(rows), micro_batch_size):
+        mb = rows[i:i + micro_batch_size]
+        v = tokens.values(critic, mb)
+        loss_tok, m = value_loss(v, old_values[mb], returns[mb], mask[mb], algo.value_clip)
+        loss = aggregate_loss(loss_tok, mask[mb], "token_mean", norm)
+        (algo.value_coef * loss).backward()
+        sums["value_loss"] += float(loss.detach())
+        sums["value_clip_frac"] += float(m["value_clip_frac"])
+        n_micro += 1
+    sums["value_clip_frac"] /= max(n_micro, 1)
+    return sums
+
+
 class RLTrainer:
     def __init__(self, cfg: RLConfig):
         self.cfg = cfg
         self.algo = cfg.algorithm()
         self.out_dir = Path(cfg.output_dir or f"runs/{cfg.algo}")
         self.tok = load_tokenizer(cfg.model, cfg.trust_remote_code)
-        self.policy = load_causal_lm(cfg.model, cfg.dtype, cfg.device, cfg.trust_remote_code)
+        resume = Path(cfg.resume_from) if cfg.resume_from else None
+        if resume is not None and not (resume / "trainer_state.json").exists():
+            raise FileNotFoundError(f"resume_from={resume}: not a checkpoint directory "
+                                    "(no trainer_state.json)")
+        self.policy = load_causal_lm(str(resume or cfg.model), cfg.dtype, cfg.device,
+                                     cfg.trust_remote_code)
         self.device = next(self.policy.parameters()).device
         share = cfg.share_prompt
         if share is None:
@@ -258,11 +408,33 @@ class RLTrainer:
             self.train_rows = data_mod.load(cfg.data, "rl")[1]
             self.eval_rows = data_mod.load(cfg.eval_data, "rl")[1] if cfg.eval_data else []
         self.rewards = parse_rewards(cfg.reward or "builtin", cfg.reward_weights, cfg.device)
+        self.critic = None
+        if self.algo.critic:
+            source = self._critic_source()
+            self.critic = load_reward_model(str(resume / "critic") if resume else source,
+                                            self.tok, cfg.dtype, cfg.device,
+                                            cfg.trust_remote_code)
+            value_head(self.critic)  # fail now, not after the first rollout
+            log.info("critic from %s", source)
+        self.kl_ctl = (AdaptiveKLController(self.algo.reward_kl_coef, cfg.kl_target,
+                                            cfg.kl_horizon) if cfg.kl_target > 0
+                       else FixedKLController(self.algo.reward_kl_coef))
+        self.score_moments = RunningMoments()
+        self.step_num = 0
         stop = tuple(s for s in (cfg.stop or "").split(",") if s)
         self.params = SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k,
                                      cfg.max_new_tokens, stop)
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self._order: list[int] = []
+
+    def _critic_source(self) -> str:
+        cfg = self.cfg
+        if getattr(cfg, "critic_model", None):
+            return cfg.critic_model
+        models = [t.name[3:] for t in self.rewards if t.name.startswith("rm:")]
+        if len(self.rewards) == 1 and models:
+            return models[0]
+        return cfg.model
 
     # --- sampling and scoring ----------------------------------------------------------------
     def _next_rows(self, n: int) -> list[dict]:
@@ -277,14 +449,23 @@ class RLTrainer:
         G = self.cfg.group_size
         rep = [r for r in rows for _ in range(G)]
         columns = {k: [r.get(k) for r in rep] for k in rows[0] if k not in ("prompt", "_row")}
-        total, terms, valid = score(self.rewards, [r["prompt"] for r in rep], rollout.texts,
-                                    columns, self.cfg.on_reward_error)
+        prompts = [r["prompt"] for r in rep]
+        total, terms, valid = score(self.rewards, prompts, rollout.texts, columns,
+                                    self.cfg.on_reward_error)
+        correct = self._correct(prompts, rollout.texts, columns, terms)
         if self.algo.overlong_shaping:
             shaping = overlong_penalty(rollout.lengths, self.cfg.max_new_tokens,
                                        min(self.cfg.overlong_cache, self.cfg.max_new_tokens))
             terms["overlong"] = shaping
             total = total + shaping
-        return total, terms, valid
+        return total, terms, valid, correct
+
+    def _correct(self, prompts, completions, columns, terms) -> torch.Tensor:
+        """Task accuracy per sample: on the built-in task its exact-answer check (whatever
+        the training reward, e.g. a reward model); otherwise the first reward term ≥ 1."""
+        if self.cfg.data is None:
+            return torch.tensor(builtin_task.reward(prompts, completions, **columns)) >= 1
+        return next(iter(terms.values())).nan_to_num() >= 1
 
     def collect(self) -> Experience:
         """Sample and score a step's groups (refilling with dynamic sampling)."""
@@ -296,19 +477,19 @@ class RLTrainer:
             rows = self._next_rows(want)
             rollout = generate(self.policy, self.tok, [r["prompt"] for r in rows],
                                cfg.group_size, self.params, self.gen)
-            total, terms, valid = self._score(rows, rollout)
+            total, terms, valid, correct = self._score(rows, rollout)
             if self.algo.dynamic_sampling:
                 signal = groups_with_signal(total, rollout.group_ids)
                 groups = rollout.group_ids[signal].unique()[: want - kept]
                 keep = torch.isin(rollout.group_ids, groups).nonzero().squeeze(-1)
                 dropped += len(rows) - int(signal.view(-1, cfg.group_size).any(-1).sum())
                 rollout = select(rollout, keep)
-                total, valid = total[keep], valid[keep]
+                total, valid, correct = total[keep], valid[keep], correct[keep]
                 terms = {k: v[keep] for k, v in terms.items()}
                 kept += len(groups)
             else:
                 kept += len(rows)
-            parts.append((rollout, total, terms, valid))
+            parts.append((rollout, total, terms, valid, correct))
         if kept == 0:
             raise RuntimeError(
                 f"dynamic sampling found no group with different rewards in {rounds} rounds of "
@@ -317,70 +498,116 @@ class RLTrainer:
         rollout = concat([p[0] for p in parts], self.tok.pad_token_id)
         return Experience(rollout, torch.cat([p[1] for p in parts]),
                           {k: torch.cat([p[2][k] for p in parts]) for k in parts[0][2]},
-                          torch.cat([p[3] for p in parts]), rounds, dropped)
+                          torch.cat([p[3] for p in parts]), torch.cat([p[4] for p in parts]),
+                          rounds, dropped)
 
-    # --- the loop ----------------------------------------------------------------------------
+    # --- evaluation --------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
+        """Greedy decoding on the held-out rows: task accuracy (as in :meth:`_correct`) and
+        the mean of the training reward (a reward model's score, say)."""
         if not self.eval_rows:
             return {}
-        terms = self.rewards
-        fn = terms[0].fn if len(terms) == 1 else (
-            lambda p, c, **kw: score(terms, p, c, kw, "skip")[0].tolist())
-        r = evaluate_policy(self.policy, self.tok, self.eval_rows, fn, self.cfg.max_new_tokens,
-                            self.cfg.eval_batch_size)
-        return {"eval/accuracy": r["accuracy"], "eval/mean_reward": r["mean_reward"]}
+        rows = self.eval_rows
+        prompts = [r["prompt"] for r in rows]
+        completions = greedy_completions(self.policy, self.tok, prompts,
+                                         self.cfg.max_new_tokens, self.cfg.eval_batch_size)
+        columns = {k: [r.get(k) for r in rows] for k in rows[0] if k not in ("prompt", "_row")}
+        total, terms, valid = score(self.rewards, prompts, completions, columns, "skip")
+        correct = self._correct(prompts, completions, columns, terms)
+        return {"eval/accuracy": float(correct.float().mean()),
+                "eval/mean_reward": float(total[valid].mean()) if valid.any() else float("nan")}
 
-    def step(self, opt) -> dict[str, float]:
-        cfg, algo = self.cfg, self.algo
+    def _shape_scores(self, scores: torch.Tensor, ro: Rollout, valid: torch.Tensor
+                      ) -> torch.Tensor:
+        """The score the advantages see: minus the missing-EOS penalty, normalised by the
+        running moments, clipped."""
+        cfg = self.cfg
+        scores = scores.float()
+        if cfg.missing_eos_penalty:
+            scores = scores - cfg.missing_eos_penalty * ro.truncated.float()
+        if cfg.reward_normalize:
+            self.score_moments.update(scores[valid])
+            scores = self.score_moments.normalize(scores)
+        if cfg.reward_clip:
+            scores = scores.clamp(-cfg.reward_clip, cfg.reward_clip)
+        return scores
+
+    def step(self, opt, critic_opt=None) -> dict[str, float]:
+        cfg = self.cfg
+        algo = self.algo.replace(reward_kl_coef=self.kl_ctl.value) if self.algo.reward_kl_coef \
+            else self.algo
+        self.step_num += 1
         t0 = time.perf_counter()
         exp = self.collect()
         t_gen = time.perf_counter()
         ro = exp.rollout
         tokens = TokenBatch(ro, self.tok.pad_token_id, self.device, self.share_prompt)
-        mask = tokens.completion_mask.float() * exp.valid.to(self.device)[:, None]
+        valid = exp.valid.to(self.device)
+        mask = tokens.completion_mask.float() * valid[:, None]
         everyone = torch.arange(len(tokens), device=self.device)
         with torch.no_grad():
-            old = tokens.logprobs(self.policy, everyone) if cfg.ppo_epochs > 1 else None
+            old = (tokens.logprobs(self.policy, everyone)
+                   if cfg.ppo_epochs > 1 or algo.reward_kl_coef > 0 else None)
+            old_values = (tokens.values(self.critic, everyone) if self.critic is not None
+                          else None)
         ref = None
         if self.ref is not None:
             with torch.inference_mode():
                 ref = tokens.logprobs(self.ref, everyone)
             ref = ref.clone()
-        adv, _ = compute_advantages(algo, exp.scores.to(self.device),
-                                    ro.group_ids.to(self.device), mask, old, ref)
-        live = ((adv != 0).any(-1) if algo.kl_coef == 0 and cfg.skip_zero_advantage
-                else mask.any(-1)) & exp.valid.to(self.device)
+        scores = self._shape_scores(exp.scores, ro, exp.valid).to(self.device)
+        adv, returns = compute_advantages(algo, scores, ro.group_ids.to(self.device), mask,
+                                          old, ref, old_values)
+        skip = algo.kl_coef == 0 and cfg.skip_zero_advantage and self.critic is None
+        live = ((adv != 0).any(-1) if skip else mask.any(-1)) & valid
         t_score = time.perf_counter()
+        train_policy = self.step_num > getattr(cfg, "critic_warmup_steps", 0)
         sums: dict[str, float] = {}
-        n_steps = 0
+        n_steps = n_critic_steps = 0
         for _ in range(cfg.ppo_epochs):
             perm = torch.randperm(len(adv), generator=self.gen).to(self.device)
             for i in range(0, len(adv), cfg.minibatch_size):
-                m = accumulate_policy_gradient(self.policy, algo, tokens, mask,
-                                               perm[i:i + cfg.minibatch_size], adv, old, ref,
-                                               live, cfg.micro_batch_size, cfg.max_new_tokens)
-                if live[perm[i:i + cfg.minibatch_size]].any():
+                idx = perm[i:i + cfg.minibatch_size]
+                if not live[idx].any():
+                    continue
+                m: dict[str, float] = {}
+                if train_policy:
+                    m.update(accumulate_policy_gradient(
+                        self.policy, algo, tokens, mask, idx, adv, old, ref, live,
+                        cfg.micro_batch_size, cfg.max_new_tokens))
                     if cfg.max_grad_norm > 0:
                         m["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(
                             self.policy.parameters(), cfg.max_grad_norm))
                     opt.step()
                     opt.zero_grad(set_to_none=True)
                     n_steps += 1
+                if self.critic is not None:
+                    m.update(accumulate_value_gradient(self.critic, algo, tokens, mask, idx,
+                                                       old_values, returns, live,
+                                                       cfg.micro_batch_size))
+                    if cfg.max_grad_norm > 0:
+                        m["critic_grad_norm"] = float(torch.nn.utils.clip_grad_norm_(
+                            self.critic.parameters(), cfg.max_grad_norm))
+                    critic_opt.step()
+                    critic_opt.zero_grad(set_to_none=True)
+                    n_critic_steps += 1
                 for k, v in m.items():
                     sums[k] = sums.get(k, 0.0) + v
         t_train = time.perf_counter()
         G = cfg.group_size
-        scores = exp.scores
-        record = {f"train/{k}": v / max(n_steps, 1) for k, v in sums.items()}
+        raw = exp.scores
+        n_updates = max(n_steps, n_critic_steps, 1)
+        record = {f"train/{k}": v / n_updates for k, v in sums.items()}
         record.update({
-            "reward/mean": float(scores.mean()), "reward/std": float(scores.std()),
+            "reward/mean": float(raw.nan_to_num().mean()),
+            "reward/std": float(raw.nan_to_num().std()),
             **{f"reward/{k}": float(v.nan_to_num().mean()) for k, v in exp.terms.items()},
-            "reward/task_accuracy": float((next(iter(exp.terms.values())) >= 1).float().mean()),
+            "reward/task_accuracy": float(exp.correct.float().mean()),
             "reward/skipped": int((~exp.valid).sum()),
             "completion/length_mean": float(ro.lengths.float().mean()),
             "completion/length_max": int(ro.lengths.max()),
             "completion/truncated_frac": float(ro.truncated.float().mean()),
-            "groups/zero_signal_frac": float((~groups_with_signal(scores, ro.group_ids))
+            "groups/zero_signal_frac": float((~groups_with_signal(raw, ro.group_ids))
                                              .view(-1, G).all(-1).float().mean()),
             "groups/dropped": exp.dropped_groups, "sampling/rounds": exp.rounds,
             "samples/backward_frac": float(live.float().mean()),
@@ -389,8 +616,57 @@ class RLTrainer:
             "time/train_s": t_train - t_score, "time/step_s": t_train - t0,
             "time/tokens_per_s": float(ro.lengths.sum()) / max(t_gen - t0, 1e-9),
         })
+        if cfg.missing_eos_penalty or cfg.reward_normalize or cfg.reward_clip:
+            record["reward/shaped_mean"] = float(scores[valid].mean())
+        if algo.reward_kl_coef > 0:
+            # the penalty's KL, per sequence (what the adaptive controller tracks)
+            kl_seq = masked_sum(kl_penalty(old, ref, algo.reward_kl_estimator), mask, dim=-1)
+            kl = float(kl_seq[valid].mean())
+            record.update({"kl/seq_mean": kl, "kl/coef": algo.reward_kl_coef,
+                           "kl/token_mean": float(masked_mean(
+                               kl_penalty(old, ref, algo.reward_kl_estimator), mask))})
+            self.kl_ctl.update(kl, int(valid.sum()))
+        if self.critic is not None:
+            record.update({
+                "critic/return_mean": float(masked_mean(returns, mask)),
+                "critic/value_mean": float(masked_mean(old_values, mask)),
+                "critic/explained_variance": float(explained_variance(old_values, returns,
+                                                                      mask)),
+                "critic/optim_steps": n_critic_steps,
+            })
+            for k in ("value_loss", "value_clip_frac", "critic_grad_norm"):
+                if f"train/{k}" in record:
+                    record[f"critic/{k}"] = record.pop(f"train/{k}")
         return record
 
+    # --- checkpoints ---------------------------------------------------------------------
+    def save_checkpoint(self, path: Path, opt, critic_opt) -> None:
+        """The actor as a Hugging Face directory at ``path``, the critic in ``path/critic``,
+        the optimiser states as safetensors, and the loop state (step, KL coefficient, score
+        moments, data order, sampling generator) in ``trainer_state.json``/``rng.safetensors``
+        — everything :attr:`RLConfig.resume_from` needs to continue the run."""
+        save_model(self.policy, self.tok, path)
+        save_optimizer(opt, path / "optimizer")
+        if self.critic is not None:
+            save_model(self.critic, self.tok, path / "critic")
+            save_optimizer(critic_opt, path / "critic_optimizer")
+        save_file({"generator": self.gen.get_state()}, str(path / "rng.safetensors"))
+        state = {"step": self.step_num, "kl_coef": self.kl_ctl.value,
+                 "score_moments": self.score_moments.state_dict(), "order": self._order}
+        (path / "trainer_state.json").write_text(json.dumps(state))
+
+    def _restore(self, path: Path, opt, critic_opt) -> None:
+        state = json.loads((path / "trainer_state.json").read_text())
+        load_optimizer(opt, path / "optimizer")
+        if self.critic is not None:
+            load_optimizer(critic_opt, path / "critic_optimizer")
+        self.gen.set_state(load_file(str(path / "rng.safetensors"))["generator"])
+        self.step_num = int(state["step"])
+        self.kl_ctl.value = float(state["kl_coef"])
+        self.score_moments.load_state_dict(state["score_moments"])
+        self._order = [int(i) for i in state["order"]]
+
+    # --- the loop ----------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
         cfg = self.cfg
         seed_everything(cfg.seed)
@@ -399,28 +675,41 @@ class RLTrainer:
         writer = MetricsWriter(self.out_dir, cfg.tensorboard)
         opt = torch.optim.AdamW(self.policy.parameters(), lr=cfg.lr,
                                 weight_decay=cfg.weight_decay, fused=True)
+        critic_opt = None
+        if self.critic is not None:
+            critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic_lr,
+                                           weight_decay=cfg.weight_decay, fused=True)
+        if cfg.resume_from:
+            self._restore(Path(cfg.resume_from), opt, critic_opt)
+            print(f"[{cfg.algo}] resumed from {cfg.resume_from} at step {self.step_num}",
+                  flush=True)
         try:
             start = self.evaluate()
-            writer.write(0, start)
-            print(json.dumps({"step": 0, **start}), flush=True)
+            writer.write(self.step_num, start)
+            print(json.dumps({"step": self.step_num, **start}), flush=True)
             last: dict[str, float] = {}
-            for step in range(1, cfg.max_steps + 1):
-                record = self.step(opt)
+            while self.step_num < cfg.max_steps:
+                record = self.step(opt, critic_opt)
+                step = self.step_num
                 if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.max_steps:
                     record.update(self.evaluate())
                 writer.write(step, record)
                 last.update(record)
                 if step % cfg.log_every == 0 or step == cfg.max_steps:
+                    extra = (f"  kl {record['kl/seq_mean']:.3f}" if "kl/seq_mean" in record
+                             else "")
                     print(f"[{cfg.algo}] step {step}/{cfg.max_steps}  reward "
                           f"{record['reward/mean']:.3f}  sample acc "
-                          f"{record['reward/task_accuracy']:.3f}  "
+                          f"{record['reward/task_accuracy']:.3f}{extra}  "
                           f"{record['time/step_s']:.2f} s/step", flush=True)
                 if cfg.save_every and step % cfg.save_every == 0 and step != cfg.max_steps:
-                    save_model(self.policy, self.tok, self.out_dir / f"checkpoint-{step}")
+                    self.save_checkpoint(self.out_dir / f"checkpoint-{step}", opt, critic_opt)
             final = self.evaluate()
             writer.write(cfg.max_steps, final)
             last.update(final)
             save_model(self.policy, self.tok, self.out_dir / "final")
+            if self.critic is not None:
+                save_model(self.critic, self.tok, self.out_dir / "final" / "critic")
         finally:
             writer.close()
         print(json.dumps({"step": cfg.max_steps, "start/accuracy": start.get("eval/accuracy"),
