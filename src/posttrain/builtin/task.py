@@ -87,17 +87,27 @@ def sft_rows(n: int, split: str = "train", seed: int = 0, flaw_rate: float = 0.6
 
 
 def phantom_carry_answer(a: int, b: int) -> str:
-    """The opposite mistake on a carry-free problem: a carry into the tens that isn't there."""
+    """A carry into the tens that isn't there: on a carry-free problem the opposite mistake
+    to the no-carry flaw, on a carry problem a doubled carry."""
     return str(a + b + 10)
 
 
-def preference_rows(n: int, split: str = "train", seed: int = 0) -> list[dict]:
+def preference_rows(n: int, split: str = "train", seed: int = 0,
+                    over_carry_rate: float = 0.3) -> list[dict]:
     """Prompt/chosen/rejected pairs that contrast the right and the wrong handling of the
-    carry: rejected is the no-carry answer on carry problems and a phantom carry on
-    carry-free ones (so preference training cannot get away with "always add a carry")."""
+    carry. On carry problems rejected is the no-carry answer, or with probability
+    ``over_carry_rate`` a doubled carry; on carry-free ones a phantom carry. Both directions
+    are needed: a reward model that has only seen missing carries learns "more carry is
+    better" and PPO then exploits it (measured: greedy accuracy 90% → 60% as the reward
+    model's score kept rising), and preference training cannot get away with "always add a
+    carry"."""
+    rng = random.Random(f"{seed}-preference")
     rows = []
     for a, b in _problems(n, split, seed + 1):
-        rejected = no_carry_answer(a, b) if has_carry(a, b) else phantom_carry_answer(a, b)
+        if has_carry(a, b) and rng.random() >= over_carry_rate:
+            rejected = no_carry_answer(a, b)
+        else:
+            rejected = phantom_carry_answer(a, b)
         rows.append({"prompt": prompt_text(a, b), "chosen": answer_text(a, b),
                      "rejected": rejected})
     return rows
