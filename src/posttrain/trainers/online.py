@@ -183,15 +183,16 @@ class RLConfig(TrainConfig):
         _check(self.temperature > 0, "temperature must be > 0 for RL sampling")
 
     def _overrides(self) -> dict:
-        return {"kl_coef": self.kl_coef, "clip_low": self.clip_low,
-                "clip_high": self.clip_high, "reward_kl_coef": self.reward_kl_coef,
-                "reward_kl_estimator": self.reward_kl_estimator, "gamma": self.gamma,
-                "lam": self.lam}
+        """Fields of the algorithm's record that this config sets."""
+        given = {"kl_coef": self.kl_coef, "clip_low": self.clip_low,
+                 "clip_high": self.clip_high, "reward_kl_coef": self.reward_kl_coef,
+                 "reward_kl_estimator": self.reward_kl_estimator, "gamma": self.gamma,
+                 "lam": self.lam}
+        return {k: v for k, v in given.items() if v is not None}
 
     def algorithm(self) -> Algorithm:
         try:
-            return get_algorithm(self.algo, **{k: v for k, v in self._overrides().items()
-                                               if v is not None})
+            return get_algorithm(self.algo, **self._overrides())
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
@@ -229,9 +230,12 @@ class PPOConfig(RLConfig):
                "critic_lr must be > 0 and critic_warmup_steps ≥ 0")
 
     def _overrides(self) -> dict:
-        value_clip = self.value_clip if self.value_clip != 0 else None
-        return {**super()._overrides(), "value_coef": self.value_coef,
-                **({"value_clip": value_clip} if self.value_clip is not None else {})}
+        out = super()._overrides()
+        if self.value_coef is not None:
+            out["value_coef"] = self.value_coef
+        if self.value_clip is not None:
+            out["value_clip"] = self.value_clip or None  # 0: the plain ½(V - R)²
+        return out
 
 
 @dataclass
@@ -363,7 +367,6 @@ def accumulate_value_gradient(critic, algo: Algorithm, tokens: TokenBatch, mask:
     norm = step_normalizer(mask[idx], "token_mean")
     rows = idx[live[idx]]
     sums: dict[str, float] = {"value_loss": 0.0, "value_clip_frac": 0.0}
-    n_micro = 0
     for i in range(0, len(rows), micro_batch_size):
         mb = rows[i:i + micro_batch_size]
         v = tokens.values(critic, mb)
@@ -371,9 +374,8 @@ def accumulate_value_gradient(critic, algo: Algorithm, tokens: TokenBatch, mask:
         loss = aggregate_loss(loss_tok, mask[mb], "token_mean", norm)
         (algo.value_coef * loss).backward()
         sums["value_loss"] += float(loss.detach())
-        sums["value_clip_frac"] += float(m["value_clip_frac"])
-        n_micro += 1
-    sums["value_clip_frac"] /= max(n_micro, 1)
+        # token-weighted, so the metric does not depend on the micro-batch split either
+        sums["value_clip_frac"] += float(m["value_clip_frac"] * mask[mb].sum() / norm)
     return sums
 
 
@@ -410,6 +412,7 @@ class RLTrainer:
         self.rewards = parse_rewards(cfg.reward or "builtin", cfg.reward_weights, cfg.device)
         self.critic = None
         if self.algo.critic:
+            seed_everything(cfg.seed)  # a fresh value head is drawn from the global generator
             source = self._critic_source()
             self.critic = load_reward_model(str(resume / "critic") if resume else source,
                                             self.tok, cfg.dtype, cfg.device,
