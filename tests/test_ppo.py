@@ -384,6 +384,20 @@ def test_critic_starts_from_reward_model_critic_model_or_policy(tiny_model_dir, 
         assert not torch.equal(critic["score.weight"], rm["score.weight"])
 
 
+def test_critic_warmup_trains_the_critic_alone(tiny_model_dir, tmp_path):
+    """During critic_warmup_steps only the critic moves; afterwards both do."""
+    trainer = RLTrainer(_cfg(tiny_model_dir, tmp_path, critic_warmup_steps=1, temperature=1.5))
+    opt, critic_opt = _optimizers(trainer)
+    actor0, critic0 = _snapshot(trainer.policy), _snapshot(trainer.critic)
+    record = trainer.step(opt, critic_opt)
+    assert record["optim/steps"] == 0 and record["critic/optim_steps"] > 0
+    assert all(torch.equal(v, actor0[k]) for k, v in trainer.policy.state_dict().items())
+    assert any(not torch.equal(v, critic0[k]) for k, v in trainer.critic.state_dict().items())
+    record = trainer.step(opt, critic_opt)
+    assert record["optim/steps"] > 0
+    assert any(not torch.equal(v, actor0[k]) for k, v in trainer.policy.state_dict().items())
+
+
 def test_fresh_value_head_follows_the_seed(tiny_model_dir, tmp_path):
     """The fresh critic head is drawn after seeding: the same seed gives the same head in one
     process (whatever ran before), another seed another head."""
