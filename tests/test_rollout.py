@@ -388,3 +388,41 @@ def test_lean_decoder_equals_model_forward(tiny_model_dir, model_name):
         assert torch.equal(a.completion_ids, b.completion_ids)
         assert torch.equal(a.completion_mask, b.completion_mask)
         torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama_gqa", "qwen2_bias"])
+def test_lean_decoder_equals_model_forward_gqa_and_bias(tiny_model_dir, arch):
+    """The same equality with grouped-query attention (4 query heads on 1 key/value head) and
+    with the q/k/v biases of Qwen2, the two paths of the fused projection that the shipped
+    model does not exercise."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from posttrain.modeling import load_tokenizer
+    from posttrain.rollout import LeanLlamaDecoder, SamplingParams, generate
+
+    tok = load_tokenizer(tiny_model_dir)
+    common = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                  pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    if arch == "llama_gqa":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=False))
+        assert model.model.layers[0].self_attn.q_proj.bias is not None
+        with torch.no_grad():  # non-zero biases, so a dropped bias would show
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj,
+                             layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    model.eval()
+    assert LeanLlamaDecoder.supports(model)
+    prompts = ["58+67=", "1+2=", "99+99="]
+    for params in (SamplingParams(temperature=0, max_new_tokens=6),
+                   SamplingParams(temperature=1.0, max_new_tokens=6)):
+        a = generate(model, tok, prompts, 4, params, torch.Generator().manual_seed(1),
+                     engine="lean")
+        b = generate(model, tok, prompts, 4, params, torch.Generator().manual_seed(1),
+                     engine="hf")
+        assert torch.equal(a.completion_ids, b.completion_ids)
+        torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)

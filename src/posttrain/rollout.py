@@ -179,9 +179,9 @@ class LeanLlamaDecoder:
         self.cos, self.sin = cos[0], sin[0]
 
     def select(self, rows: torch.Tensor) -> None:
-        n = len(rows)
-        self.k[:, :n] = self.k[:, rows]
-        self.v[:, :n] = self.v[:, rows]
+        n, c = len(rows), self.col  # only the columns written so far are worth moving
+        self.k[:, :n, :, :c] = self.k[:, rows, :, :c]
+        self.v[:, :n, :, :c] = self.v[:, rows, :, :c]
         self.rows = n
 
     def _rope(self, x, cos, sin):  # x (R, heads, hd); cos/sin (R, 1, hd)
@@ -194,19 +194,25 @@ class LeanLlamaDecoder:
         nh, nkv, hd = self.nh, self.nkv, self.hd
         h = self.embed(tok)  # (R, H)
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # (R, 1, hd)
-        attn_mask = mask.bool()[:, None, None, :]  # (R, 1, 1, c+1)
+        # additive mask over the c+1 cached columns, shared by every head: (R·nh, 1, c+1)
+        bias = torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill_(
+            mask == 0, float("-inf"))
+        bias = bias.repeat_interleave(nh, dim=0)[:, None]
         for i, (n1, wqkv, bqkv, o_proj, n2, wgu, down, scaling) in enumerate(self.layers):
-            q, k, v = F.linear(n1(h), wqkv, bqkv).split([nh * hd, nkv * hd, nkv * hd], -1)
-            q = self._rope(q.view(R, nh, hd), cos, sin)
-            self.k[i, :R, :, c] = self._rope(k.view(R, nkv, hd), cos, sin)
-            self.v[i, :R, :, c] = v.view(R, nkv, hd)
-            K, V = self.k[i, :R, :, :c + 1], self.v[i, :R, :, :c + 1]
+            qkv = F.linear(n1(h), wqkv, bqkv).view(R, nh + 2 * nkv, hd)
+            qk = self._rope(qkv[:, :nh + nkv], cos, sin)  # q and k rotated in one pass
+            self.k[i, :R, :, c] = qk[:, nh:]
+            self.v[i, :R, :, c] = qkv[:, nh + nkv:]
+            K, V = self.k[i, :R, :, :c + 1], self.v[i, :R, :, :c + 1]  # (R, nkv, c+1, hd)
             if nkv != nh:
                 K = K.repeat_interleave(nh // nkv, dim=1)
                 V = V.repeat_interleave(nh // nkv, dim=1)
-            a = F.scaled_dot_product_attention(q[:, :, None], K, V, attn_mask=attn_mask,
-                                               scale=scaling)  # (R, nh, 1, hd)
-            h = h + o_proj(a.reshape(R, nh * hd))
+            # one query per row: two batched matmuls beat SDPA's blocked kernel at this size
+            K, V = K.reshape(R * nh, c + 1, hd), V.reshape(R * nh, c + 1, hd)
+            scores = torch.baddbmm(bias, qk[:, :nh].reshape(R * nh, 1, hd), K.transpose(1, 2),
+                                   alpha=scaling)
+            a = torch.bmm(scores.softmax(-1), V)  # (R·nh, 1, hd)
+            h = h + o_proj(a.view(R, nh * hd))
             g, u = F.linear(n2(h), wgu).chunk(2, dim=-1)
             h = h + down(F.silu(g) * u)
         self.col = c + 1
