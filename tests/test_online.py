@@ -201,3 +201,54 @@ def test_reward_model_as_reward(tiny_model_dir, tmp_path, rl_files):
     assert f"reward/rm:{rm_dir}" in step and "reward/by_len" in step
     expected = 0.5 * step[f"reward/rm:{rm_dir}"] + 2.0 * step["reward/by_len"]
     assert abs(step["reward/mean"] - expected) < 1e-4
+
+
+def test_skipped_sample_leaves_its_groups_statistics(tiny_model_dir, tmp_path, rl_files,
+                                                     monkeypatch):
+    """A sample skipped on a reward error is its own group for the advantages: the samples
+    it was drawn with are normalised among themselves, not with its placeholder score."""
+    import posttrain.trainers.online as online
+
+    seen = {}
+    real = online.compute_advantages
+
+    def spy(algo, scores, group_ids, *args):
+        seen["scores"], seen["groups"] = scores.clone(), group_ids.clone()
+        return real(algo, scores, group_ids, *args)
+
+    monkeypatch.setattr(online, "compute_advantages", spy)
+    reward, data = rl_files
+    trainer = RLTrainer(_cfg(tiny_model_dir, tmp_path, "grpo", data=str(data),
+                             reward=f"{reward}:nan", on_reward_error="skip"))
+    opt = torch.optim.AdamW(trainer.policy.parameters(), lr=1e-4)
+    trainer.step(opt)
+    groups = seen["groups"]
+    assert torch.equal(groups[1:4], torch.zeros(3, dtype=groups.dtype))  # rest of group 0
+    assert (groups == groups[0]).sum() == 1  # sample 0 (NaN reward) stands alone
+    assert torch.equal(groups[4:], torch.ones(4, dtype=groups.dtype))
+
+
+def test_one_epoch_of_several_minibatches_records_old_logprobs(tiny_model_dir, tmp_path,
+                                                               rl_files):
+    """With one epoch but two minibatches, the second minibatch is off-policy after the first
+    step: old log-probs are recorded, so its ratio differs from 1 (with the detached current
+    log-probs it would be exactly 1)."""
+    reward, data = rl_files
+    trainer = RLTrainer(_cfg(tiny_model_dir, tmp_path, "dr_grpo", data=str(data),
+                             reward=f"{reward}:by_len", minibatch_size=4, micro_batch_size=4,
+                             ppo_epochs=1, lr=1e-2))
+    opt = torch.optim.AdamW(trainer.policy.parameters(), lr=1e-2)
+    record = trainer.step(opt)
+    assert record["optim/steps"] == 2
+    assert record["train/ratio_max"] != 1.0 or record["train/ratio_min"] != 1.0
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(algo="grpo", reward_kl_coef=0.1), "reward_kl_coef applies"),
+    (dict(algo="dapo", gamma=0.9), "gamma applies"),
+    (dict(algo="grpo", kl_target=1.0), "kl_target applies"),
+])
+def test_per_token_reward_settings_rejected_elsewhere(kw, match):
+    """Settings of the per-token KL reward are errors for algorithms that ignore them."""
+    with pytest.raises(ConfigError, match=match):
+        RLConfig(**kw).validate()

@@ -475,3 +475,18 @@ def test_value_clip_zero_means_unclipped():
     assert cfg.algorithm().value_clip is None
     assert PPOConfig().algorithm().value_clip == pytest.approx(0.2)
     assert PPOConfig(value_clip=0.1).algorithm().value_clip == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(algo="reinforce_pp", critic_warmup_steps=2), "critic_warmup_steps needs a critic"),
+    (dict(value_clip=-0.1), "value_clip must be"),
+    (dict(value_coef=0.0), "value_coef > 0"),
+    (dict(gamma=1.5), "gamma and lam"),
+    (dict(kl_target=1.0, reward_kl_coef=0.0), "kl_target needs"),
+])
+def test_ppo_config_rejects(kw, match):
+    """Settings that would silently do nothing or the wrong thing are errors."""
+    from posttrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        PPOConfig(**kw).validate()

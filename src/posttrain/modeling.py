@@ -166,7 +166,7 @@ def shared_prompt_logprobs(model: PreTrainedModel, prompt_ids: torch.Tensor,
     ``prompt_index[r]`` (GRPO groups, any subset of them). ``with_entropy`` also returns the
     entropy at the same positions (no gradient).
 
-    Two ways to run it (``packed``; ``None`` picks by cost, see :func:`_pack_pays`):
+    Two ways to run it (``packed``; ``None`` picks by cost, see :func:`packing_pays`):
 
     - *packed*: one forward call. Row ``i`` holds prompt ``i`` followed by all its
       completions, without padding between them; a 4-D attention mask lets each completion
@@ -198,7 +198,7 @@ def shared_prompt_hidden(model: PreTrainedModel, prompt_ids: torch.Tensor,
     rows = (torch.arange(B, device=prompt_ids.device).repeat(k) if prompt_index is None
             else prompt_index)  # (kB,) prompt of each row
     if packed is None:
-        packed = _pack_pays(model, prompt_mask, completion_mask, rows)
+        packed = packing_pays(model, prompt_mask, completion_mask, rows)
     target = completion_mask.bool()
     if packed:
         return _packed_hidden(model, prompt_ids, prompt_mask, completion_ids, target, rows)
@@ -221,7 +221,7 @@ def packs_shared_prompts(model: PreTrainedModel) -> bool:
 TWO_CALL_OVERHEAD_TOKENS = 128
 
 
-def _pack_pays(model, prompt_mask, completion_mask, rows) -> bool:
+def packing_pays(model, prompt_mask, completion_mask, rows) -> bool:
     """Whether one packed call is cheaper than two calls: the attention implementation takes
     a custom 4-D mask, and the dense attention over the packed rows (≈ 4·L²·d·layers FLOPs
     per row, most of it on masked entries when a prompt has many completions) costs less

@@ -93,7 +93,10 @@ def _sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None
     # Inverse-CDF sampling: one uniform number per row (torch.multinomial, or a Gumbel /
     # exponential race, draw one per vocabulary entry, which dominates a small model's step).
     cdf = logp.exp().cumsum(-1)
-    u = torch.rand(len(cdf), 1, generator=gen, device=cdf.device) * cdf[:, -1:]
+    # drawn on the generator's device (a CPU generator drives a CUDA policy too), then moved
+    u = torch.rand(len(cdf), 1, generator=gen,
+                   device=gen.device if gen is not None else cdf.device).to(cdf.device)
+    u = u * cdf[:, -1:]
     tokens = torch.searchsorted(cdf, u).squeeze(-1).clamp_max(cdf.shape[-1] - 1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 

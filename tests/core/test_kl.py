@@ -165,3 +165,15 @@ def test_adaptive_controller_rejects_bad_settings(target, horizon):
     """Target and horizon must be finite and positive."""
     with pytest.raises(ValueError):
         AdaptiveKLController(init_coef=0.1, target=target, horizon=horizon)
+
+
+@pytest.mark.parametrize("kl", [0.0, 100.0])
+def test_adaptive_controller_step_fraction_capped(kl):
+    """More samples than the horizon in one update: k moves by at most ±20% and stays
+    positive (uncapped, KL 0 with n/h = 12.8 would make it negative)."""
+    c = AdaptiveKLController(init_coef=0.05, target=6.0, horizon=10)
+    value = c.update(kl, 128)
+    assert value == pytest.approx(0.05 * (0.8 if kl == 0 else 1.2), rel=1e-12)
+    for _ in range(50):
+        value = c.update(kl, 128)
+    assert value > 0

@@ -57,9 +57,11 @@ class AdaptiveKLController:
     """Ziegler et al. (2019), arXiv 1909.08593, §2.2: a proportional controller on log-space.
 
         e = clip(KL / target - 1, -0.2, 0.2)
-        k ← k · (1 + e · n_steps / horizon)
+        k ← k · (1 + e · min(n_steps / horizon, 1))
 
-    ``n_steps`` is the number of samples (or optimiser steps) since the last update.
+    ``n_steps`` is the number of samples (or optimiser steps) since the last update. The
+    step fraction is capped at 1, so one update moves k by at most ±20% and k stays
+    positive however short the horizon.
     """
 
     def __init__(self, init_coef: float, target: float, horizon: float):
@@ -73,5 +75,5 @@ class AdaptiveKLController:
         if not math.isfinite(current_kl):
             return self.value
         error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
-        self.value *= 1.0 + error * n_steps / self.horizon
+        self.value *= 1.0 + error * min(n_steps / self.horizon, 1.0)
         return self.value

@@ -72,6 +72,7 @@ from posttrain.modeling import (
     load_causal_lm,
     load_reward_model,
     load_tokenizer,
+    packing_pays,
     save_model,
     shared_prompt_hidden,
     shared_prompt_logprobs,
@@ -89,6 +90,7 @@ from posttrain.trainers.base import (
 log = logging.getLogger(__name__)
 CRITIC_FREE = [name for name, a in ALGORITHMS.items() if not a.critic]
 RLHF = ["ppo", "reinforce_pp", "reinforce_pp_baseline"]  # per-token KL in the reward
+TOKEN_REWARD_ESTIMATORS = ("gae", "reinforce_pp", "reinforce_pp_baseline")
 
 
 @dataclass
@@ -123,7 +125,10 @@ class RLConfig(TrainConfig):
     micro_batch_size: int = 128
     """Samples per forward/backward pass; the gradient does not depend on it."""
     ppo_epochs: int = 1
-    """Passes over each batch of samples (μ); > 1 records old log-probs before updating."""
+    """Passes over each batch of samples (μ). Old log-probs are recorded before the first
+    update whenever a batch gives more than one optimiser step (μ > 1 or minibatch_size
+    below the batch) or the reward carries a KL penalty; otherwise the ratio is 1 and the
+    loss uses the detached current log-probs."""
     max_new_tokens: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
@@ -155,8 +160,8 @@ class RLConfig(TrainConfig):
     dynamic_sampling_rounds: int = 4
     """Most generation rounds per step when dynamic sampling refills the batch."""
     share_prompt: bool | None = None
-    """Run each group's prompt once for its G completions in the update and reference
-    passes; none = automatic (on from 2M parameters)."""
+    """Run each group's prompt once for its G completions in the update, old, reference and
+    critic passes; none = automatic (on from 2M parameters)."""
     skip_zero_advantage: bool = True
     """Leave samples with zero advantage and no KL term out of the forward/backward pass
     (the gradient is the same; false only to measure what skipping saves)."""
@@ -175,6 +180,15 @@ class RLConfig(TrainConfig):
         _check(self.reward_clip >= 0 and self.missing_eos_penalty >= 0 and self.kl_target >= 0
                and self.kl_horizon > 0, "reward_clip, missing_eos_penalty and kl_target must "
                "be ≥ 0 and kl_horizon > 0")
+        algo = self.algorithm()
+        token_rewards = algo.advantage in TOKEN_REWARD_ESTIMATORS
+        for key in ("reward_kl_coef", "reward_kl_estimator", "gamma", "lam", "kl_target"):
+            if getattr(self, key) and not token_rewards:
+                raise ConfigError(f"{key} applies to algorithms with per-token rewards "
+                                  f"({', '.join(RLHF)}), not to {self.algo}")
+        _check(0 <= algo.gamma <= 1 and 0 <= algo.lam <= 1, "gamma and lam must be in [0, 1]")
+        _check(self.kl_target == 0 or algo.reward_kl_coef > 0,
+               "kl_target needs a reward KL coefficient > 0 to adapt")
         _check(min(self.prompts_per_step, self.minibatch_size, self.micro_batch_size,
                    self.ppo_epochs, self.dynamic_sampling_rounds, self.max_new_tokens) >= 1,
                "prompts_per_step, minibatch_size, micro_batch_size, ppo_epochs, "
@@ -216,7 +230,9 @@ class PPOConfig(RLConfig):
     value_clip: float | None = None
     """Override ε_v of the clipped value loss (0.2); 0 = unclipped."""
     value_coef: float | None = None
-    """Override c_v, the weight of the value loss (0.5)."""
+    """Override c_v, the weight of the value loss (0.5). The critic has its own AdamW, which
+    is nearly blind to a loss scale, so c_v acts mainly through gradient clipping;
+    critic_lr is the knob that matters."""
     prompts_per_step: int = 32
     group_size: int = 4
     minibatch_size: int = 64
@@ -228,6 +244,11 @@ class PPOConfig(RLConfig):
         super().validate()
         _check(self.critic_lr > 0 and self.critic_warmup_steps >= 0,
                "critic_lr must be > 0 and critic_warmup_steps ≥ 0")
+        _check(self.critic_warmup_steps == 0 or self.algorithm().critic,
+               f"critic_warmup_steps needs a critic; {self.algo} has none")
+        _check((self.value_clip is None or self.value_clip >= 0)
+               and (self.value_coef is None or self.value_coef > 0),
+               "value_clip must be ≥ 0 and value_coef > 0")
 
     def _overrides(self) -> dict:
         out = super()._overrides()
@@ -278,6 +299,7 @@ class TokenBatch:
                                           pad_id)
             self.prompt_ids, self.prompt_mask = ids.to(device), mask.to(device)
             self.prompt_index = index.to(device)
+            self.packed = None  # decided per model, once for the whole batch (_packed_for)
         else:
             completions = [r[m.bool()].tolist() for r, m in
                            zip(rollout.completion_ids, rollout.completion_mask, strict=True)]
@@ -289,6 +311,15 @@ class TokenBatch:
     def __len__(self) -> int:
         return len(self.completion_ids)
 
+    def _packed_for(self, model) -> bool:
+        """One packing decision for the whole batch (see :func:`shared_prompt_logprobs`), so
+        the old, reference, critic and update passes all take the same path and the first
+        update's ratio is exactly 1 in any precision."""
+        if self.packed is None:
+            self.packed = packing_pays(model, self.prompt_mask, self.completion_mask,
+                                     self.prompt_index)
+        return self.packed
+
     def logprobs(self, model, rows: torch.Tensor, with_entropy: bool = False):
         """Log-probs (and entropy) of the completions of ``rows``, ``(len(rows), Lc)``."""
         if self.share:
@@ -296,7 +327,8 @@ class TokenBatch:
             return shared_prompt_logprobs(model, self.prompt_ids[groups],
                                           self.prompt_mask[groups], self.completion_ids[rows],
                                           self.completion_mask[rows], prompt_index=index,
-                                          with_entropy=with_entropy)
+                                          with_entropy=with_entropy,
+                                          packed=self._packed_for(model))
         out = completion_logprobs(model, self.full["input_ids"][rows],
                                   self.full["attention_mask"][rows],
                                   self.full["loss_mask"][rows], with_entropy=with_entropy)
@@ -319,7 +351,8 @@ class TokenBatch:
             groups, index = torch.unique(self.prompt_index[rows], return_inverse=True)
             hidden = shared_prompt_hidden(critic, self.prompt_ids[groups],
                                           self.prompt_mask[groups], self.completion_ids[rows],
-                                          mask, prompt_index=index)
+                                          mask, prompt_index=index,
+                                          packed=self._packed_for(critic))
         else:
             hidden = completion_hidden(critic, self.full["input_ids"][rows],
                                        self.full["attention_mask"][rows],
@@ -418,7 +451,7 @@ class RLTrainer:
                                             self.tok, cfg.dtype, cfg.device,
                                             cfg.trust_remote_code)
             value_head(self.critic)  # fail now, not after the first rollout
-            log.info("critic from %s", source)
+            log.info("critic from %s", resume / "critic" if resume else source)
         self.kl_ctl = (AdaptiveKLController(self.algo.reward_kl_coef, cfg.kl_target,
                                             cfg.kl_horizon) if cfg.kl_target > 0
                        else FixedKLController(self.algo.reward_kl_coef))
@@ -436,6 +469,12 @@ class RLTrainer:
             return cfg.critic_model
         models = [t.name[3:] for t in self.rewards if t.name.startswith("rm:")]
         if len(self.rewards) == 1 and models:
+            rm_tok = getattr(self.rewards[0].fn, "tokenizer", None)
+            if rm_tok is not None and rm_tok.get_vocab() != self.tok.get_vocab():
+                log.warning("the reward model %s has another vocabulary than the policy, so it "
+                            "cannot read the policy's tokens as a critic; the critic starts "
+                            "from the policy (set critic_model to choose)", models[0])
+                return cfg.model
             return models[0]
         return cfg.model
 
@@ -548,9 +587,10 @@ class RLTrainer:
         valid = exp.valid.to(self.device)
         mask = tokens.completion_mask.float() * valid[:, None]
         everyone = torch.arange(len(tokens), device=self.device)
+        several_updates = cfg.ppo_epochs > 1 or cfg.minibatch_size < len(tokens)
         with torch.no_grad():
             old = (tokens.logprobs(self.policy, everyone)
-                   if cfg.ppo_epochs > 1 or algo.reward_kl_coef > 0 else None)
+                   if several_updates or algo.reward_kl_coef != 0 else None)
             old_values = (tokens.values(self.critic, everyone) if self.critic is not None
                           else None)
         ref = None
@@ -559,7 +599,12 @@ class RLTrainer:
                 ref = tokens.logprobs(self.ref, everyone)
             ref = ref.clone()
         scores = self._shape_scores(exp.scores, ro, exp.valid).to(self.device)
-        adv, returns = compute_advantages(algo, scores, ro.group_ids.to(self.device), mask,
+        # a sample skipped on a reward error becomes a group of its own, so its placeholder
+        # score does not move the baseline or the std of the samples it was drawn with
+        group_ids = ro.group_ids.clone()
+        skipped = ~exp.valid
+        group_ids[skipped] = int(group_ids.max()) + 1 + torch.arange(int(skipped.sum()))
+        adv, returns = compute_advantages(algo, scores, group_ids.to(self.device), mask,
                                           old, ref, old_values)
         skip = algo.kl_coef == 0 and cfg.skip_zero_advantage and self.critic is None
         live = ((adv != 0).any(-1) if skip else mask.any(-1)) & valid
@@ -598,19 +643,20 @@ class RLTrainer:
                     sums[k] = sums.get(k, 0.0) + v
         t_train = time.perf_counter()
         G = cfg.group_size
-        raw = exp.scores
+        raw = exp.scores[exp.valid] if exp.valid.any() else exp.scores
         n_updates = max(n_steps, n_critic_steps, 1)
         record = {f"train/{k}": v / n_updates for k, v in sums.items()}
         record.update({
-            "reward/mean": float(raw.nan_to_num().mean()),
-            "reward/std": float(raw.nan_to_num().std()),
+            "reward/mean": float(raw.mean()),
+            "reward/std": float(raw.std()) if len(raw) > 1 else 0.0,
             **{f"reward/{k}": float(v.nan_to_num().mean()) for k, v in exp.terms.items()},
-            "reward/task_accuracy": float(exp.correct.float().mean()),
+            "reward/task_accuracy": float(exp.correct[exp.valid].float().mean())
+            if exp.valid.any() else 0.0,
             "reward/skipped": int((~exp.valid).sum()),
             "completion/length_mean": float(ro.lengths.float().mean()),
             "completion/length_max": int(ro.lengths.max()),
             "completion/truncated_frac": float(ro.truncated.float().mean()),
-            "groups/zero_signal_frac": float((~groups_with_signal(raw, ro.group_ids))
+            "groups/zero_signal_frac": float((~groups_with_signal(exp.scores, ro.group_ids))
                                              .view(-1, G).all(-1).float().mean()),
             "groups/dropped": exp.dropped_groups, "sampling/rounds": exp.rounds,
             "samples/backward_frac": float(live.float().mean()),
@@ -621,14 +667,15 @@ class RLTrainer:
         })
         if cfg.missing_eos_penalty or cfg.reward_normalize or cfg.reward_clip:
             record["reward/shaped_mean"] = float(scores[valid].mean())
-        if algo.reward_kl_coef > 0:
+        if algo.reward_kl_coef != 0:
             # the penalty's KL, per sequence (what the adaptive controller tracks)
             kl_seq = masked_sum(kl_penalty(old, ref, algo.reward_kl_estimator), mask, dim=-1)
             kl = float(kl_seq[valid].mean())
             record.update({"kl/seq_mean": kl, "kl/coef": algo.reward_kl_coef,
                            "kl/token_mean": float(masked_mean(
                                kl_penalty(old, ref, algo.reward_kl_estimator), mask))})
-            self.kl_ctl.update(kl, int(valid.sum()))
+            if train_policy:  # while the critic warms up the policy is the reference
+                self.kl_ctl.update(kl, int(valid.sum()))
         if self.critic is not None:
             record.update({
                 "critic/return_mean": float(masked_mean(returns, mask)),
