@@ -252,3 +252,13 @@ def test_per_token_reward_settings_rejected_elsewhere(kw, match):
     """Settings of the per-token KL reward are errors for algorithms that ignore them."""
     with pytest.raises(ConfigError, match=match):
         RLConfig(**kw).validate()
+
+
+def test_learning_rate_schedule_over_rl_steps(tiny_model_dir, tmp_path, rl_files):
+    """lr_schedule and warmup_ratio act on RL steps: linear, 2 warm-up steps of 4."""
+    reward, data = rl_files
+    run_rl(_cfg(tiny_model_dir, tmp_path, "dr_grpo", data=str(data), reward=f"{reward}:by_len",
+                max_steps=4, lr=1e-3, lr_schedule="linear", warmup_ratio=0.5))
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    lrs = [r["optim/lr"] for r in rows if "optim/lr" in r]
+    assert lrs == pytest.approx([5e-4, 1e-3, 1e-3, 5e-4])

@@ -83,6 +83,7 @@ from posttrain.rollout import Rollout, SamplingParams, concat, generate, select
 from posttrain.trainers.base import (
     MetricsWriter,
     load_optimizer,
+    lr_lambda,
     save_optimizer,
     seed_everything,
 )
@@ -578,6 +579,14 @@ class RLTrainer:
         cfg = self.cfg
         algo = self.algo.replace(reward_kl_coef=self.kl_ctl.value) if self.algo.reward_kl_coef \
             else self.algo
+        # the learning-rate schedule runs over RL steps (a function of the step, so a resumed
+        # run continues it exactly)
+        scale = lr_lambda(cfg.lr_schedule, int(cfg.warmup_ratio * cfg.max_steps),
+                          cfg.max_steps)(self.step_num)
+        for o, lr in ((opt, cfg.lr), (critic_opt, getattr(cfg, "critic_lr", None))):
+            if o is not None:
+                for group in o.param_groups:
+                    group["lr"] = lr * scale
         self.step_num += 1
         t0 = time.perf_counter()
         exp = self.collect()
@@ -660,7 +669,7 @@ class RLTrainer:
                                              .view(-1, G).all(-1).float().mean()),
             "groups/dropped": exp.dropped_groups, "sampling/rounds": exp.rounds,
             "samples/backward_frac": float(live.float().mean()),
-            "optim/steps": n_steps,
+            "optim/steps": n_steps, "optim/lr": opt.param_groups[0]["lr"],
             "time/generate_s": t_gen - t0, "time/score_s": t_score - t_gen,
             "time/train_s": t_train - t_score, "time/step_s": t_train - t0,
             "time/tokens_per_s": float(ro.lengths.sum()) / max(t_gen - t0, 1e-9),
