@@ -34,14 +34,7 @@ def _cfg(model_dir, out, **kw):
 
 def _optimizers(trainer):
     """The two AdamW optimisers exactly as RLTrainer.train builds them."""
-    cfg = trainer.cfg
-    opt = torch.optim.AdamW(trainer.policy.parameters(), lr=cfg.lr,
-                            weight_decay=cfg.weight_decay, fused=True)
-    critic_opt = None
-    if trainer.critic is not None:
-        critic_opt = torch.optim.AdamW(trainer.critic.parameters(), lr=cfg.critic_lr,
-                                       weight_decay=cfg.weight_decay, fused=True)
-    return opt, critic_opt
+    return trainer.make_optimizers()
 
 
 def _snapshot(model) -> dict[str, torch.Tensor]:

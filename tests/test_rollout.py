@@ -368,15 +368,10 @@ def test_sampler_matches_the_distribution():
         assert torch.allclose(logp, probs.log()[tokens], atol=1e-5)
 
 
-@pytest.mark.parametrize("model_name", ["tiny", "builtin"])
-def test_lean_decoder_equals_model_forward(tiny_model_dir, model_name):
-    """The lean static-cache decoder gives the same tokens and log-probs as decoding through
-    the model's own forward, greedy and sampled with the same seed."""
-    from posttrain.modeling import load_causal_lm, load_tokenizer
+def _assert_lean_equals_hf(model, tok):
+    """Greedy and sampled (same seed): identical tokens and masks, log-probs to 1e-5."""
     from posttrain.rollout import LeanLlamaDecoder, SamplingParams, generate
 
-    path = tiny_model_dir if model_name == "tiny" else "builtin"
-    model, tok = load_causal_lm(path, device="cpu"), load_tokenizer(path)
     assert LeanLlamaDecoder.supports(model)
     prompts = ["58+67=", "1+2=", "99+99="]
     for params in (SamplingParams(temperature=0, max_new_tokens=6),
@@ -390,6 +385,17 @@ def test_lean_decoder_equals_model_forward(tiny_model_dir, model_name):
         torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("model_name", ["tiny", "builtin"])
+def test_lean_decoder_equals_model_forward(tiny_model_dir, model_name):
+    """The lean static-cache decoder gives the same tokens and log-probs as decoding through
+    the model's own forward, greedy and sampled with the same seed."""
+    from posttrain.modeling import load_causal_lm, load_tokenizer
+
+    path = tiny_model_dir if model_name == "tiny" else "builtin"
+    model, tok = load_causal_lm(path, device="cpu"), load_tokenizer(path)
+    _assert_lean_equals_hf(model, tok)
+
+
 @pytest.mark.parametrize("arch", ["llama_gqa", "qwen2_bias"])
 def test_lean_decoder_equals_model_forward_gqa_and_bias(tiny_model_dir, arch):
     """The same equality with grouped-query attention (4 query heads on 1 key/value head) and
@@ -398,7 +404,6 @@ def test_lean_decoder_equals_model_forward_gqa_and_bias(tiny_model_dir, arch):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     from posttrain.modeling import load_tokenizer
-    from posttrain.rollout import LeanLlamaDecoder, SamplingParams, generate
 
     tok = load_tokenizer(tiny_model_dir)
     common = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
@@ -416,13 +421,4 @@ def test_lean_decoder_equals_model_forward_gqa_and_bias(tiny_model_dir, arch):
                              layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
     model.eval()
-    assert LeanLlamaDecoder.supports(model)
-    prompts = ["58+67=", "1+2=", "99+99="]
-    for params in (SamplingParams(temperature=0, max_new_tokens=6),
-                   SamplingParams(temperature=1.0, max_new_tokens=6)):
-        a = generate(model, tok, prompts, 4, params, torch.Generator().manual_seed(1),
-                     engine="lean")
-        b = generate(model, tok, prompts, 4, params, torch.Generator().manual_seed(1),
-                     engine="hf")
-        assert torch.equal(a.completion_ids, b.completion_ids)
-        torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+    _assert_lean_equals_hf(model, tok)

@@ -560,6 +560,28 @@ class RLTrainer:
         return {"eval/accuracy": float(correct.float().mean()),
                 "eval/mean_reward": float(total[valid].mean()) if valid.any() else float("nan")}
 
+    def _optimizer_step(self, model, opt, name: str) -> dict[str, float]:
+        """Clip ``model``'s gradient (when max_grad_norm > 0), step, zero; the norm as a
+        metric called ``name``."""
+        out = {}
+        if self.cfg.max_grad_norm > 0:
+            out[name] = float(torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                             self.cfg.max_grad_norm))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return out
+
+    def make_optimizers(self):
+        """AdamW for the actor, and for the critic when there is one (else None)."""
+        cfg = self.cfg
+        opt = torch.optim.AdamW(self.policy.parameters(), lr=cfg.lr,
+                                weight_decay=cfg.weight_decay, fused=True)
+        critic_opt = None
+        if self.critic is not None:
+            critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic_lr,
+                                           weight_decay=cfg.weight_decay, fused=True)
+        return opt, critic_opt
+
     def _shape_scores(self, scores: torch.Tensor, ro: Rollout, valid: torch.Tensor
                       ) -> torch.Tensor:
         """The score the advantages see: minus the missing-EOS penalty, normalised by the
@@ -632,21 +654,13 @@ class RLTrainer:
                     m.update(accumulate_policy_gradient(
                         self.policy, algo, tokens, mask, idx, adv, old, ref, live,
                         cfg.micro_batch_size, cfg.max_new_tokens))
-                    if cfg.max_grad_norm > 0:
-                        m["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(
-                            self.policy.parameters(), cfg.max_grad_norm))
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
+                    m.update(self._optimizer_step(self.policy, opt, "grad_norm"))
                     n_steps += 1
                 if self.critic is not None:
                     m.update(accumulate_value_gradient(self.critic, algo, tokens, mask, idx,
                                                        old_values, returns, live,
                                                        cfg.micro_batch_size))
-                    if cfg.max_grad_norm > 0:
-                        m["critic_grad_norm"] = float(torch.nn.utils.clip_grad_norm_(
-                            self.critic.parameters(), cfg.max_grad_norm))
-                    critic_opt.step()
-                    critic_opt.zero_grad(set_to_none=True)
+                    m.update(self._optimizer_step(self.critic, critic_opt, "critic_grad_norm"))
                     n_critic_steps += 1
                 for k, v in m.items():
                     sums[k] = sums.get(k, 0.0) + v
@@ -732,12 +746,7 @@ class RLTrainer:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         config_mod.dump(cfg, self.out_dir / "config.yaml")
         writer = MetricsWriter(self.out_dir, cfg.tensorboard)
-        opt = torch.optim.AdamW(self.policy.parameters(), lr=cfg.lr,
-                                weight_decay=cfg.weight_decay, fused=True)
-        critic_opt = None
-        if self.critic is not None:
-            critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic_lr,
-                                           weight_decay=cfg.weight_decay, fused=True)
+        opt, critic_opt = self.make_optimizers()
         if cfg.resume_from:
             self._restore(Path(cfg.resume_from), opt, critic_opt)
             print(f"[{cfg.algo}] resumed from {cfg.resume_from} at step {self.step_num}",
