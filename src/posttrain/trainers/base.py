@@ -53,7 +53,8 @@ def save_optimizer(opt: torch.optim.Optimizer, path: Path) -> None:
     """``path.safetensors`` (per-parameter state tensors) and ``path.json`` (hyper-parameter
     groups): an optimiser state without pickle."""
     sd = opt.state_dict()
-    tensors = {f"{pid}.{k}": (v if torch.is_tensor(v) else torch.tensor(v)).contiguous()
+    tensors = {f"{pid}.{k}": (v if torch.is_tensor(v) else torch.tensor(v)).detach().cpu()
+               .contiguous()
                for pid, st in sd["state"].items() for k, v in st.items()}
     save_file(tensors, str(path.with_suffix(".safetensors")))
     path.with_suffix(".json").write_text(json.dumps(sd["param_groups"]))
