@@ -483,3 +483,19 @@ def test_ppo_config_rejects(kw, match):
 
     with pytest.raises(ConfigError, match=match):
         PPOConfig(**kw).validate()
+
+
+def test_critic_not_from_a_reward_model_with_another_vocabulary(tiny_model_dir, tmp_path,
+                                                                caplog):
+    """A reward model whose tokenizer differs from the policy's cannot read the policy's
+    token ids, so the critic starts from the policy instead, with a warning."""
+    from posttrain.modeling import load_reward_model, load_tokenizer, save_model
+
+    tok = load_tokenizer(tiny_model_dir)
+    rm = load_reward_model(tiny_model_dir, tok, device="cpu")
+    tok.add_tokens(["<extra>"])  # a different vocabulary
+    save_model(rm, tok, tmp_path / "rm")
+    with caplog.at_level("WARNING"):
+        trainer = RLTrainer(_cfg(tiny_model_dir, tmp_path / "run", reward=f"rm:{tmp_path}/rm"))
+    assert trainer._critic_source() == tiny_model_dir
+    assert "another vocabulary" in caplog.text
