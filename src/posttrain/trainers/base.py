@@ -70,6 +70,15 @@ def load_optimizer(opt: torch.optim.Optimizer, path: Path) -> None:
     opt.load_state_dict({"state": state, "param_groups": groups})
 
 
+def start_run(cfg, output_dir: Path) -> MetricsWriter:
+    """What every training run does first: seed, create ``output_dir``, write the resolved
+    ``config.yaml``, open the metrics writer."""
+    seed_everything(cfg.seed)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    config_mod.dump(cfg, output_dir / "config.yaml")
+    return MetricsWriter(output_dir, cfg.tensorboard)
+
+
 class MetricsWriter:
     """Appends one JSON object per logged step to metrics.jsonl, mirrored to TensorBoard."""
 
@@ -168,10 +177,7 @@ class Trainer:
 
     def train(self) -> dict[str, float]:
         cfg = self.cfg
-        seed_everything(cfg.seed)
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        config_mod.dump(cfg, self.output_dir / "config.yaml")
-        writer = MetricsWriter(self.output_dir, cfg.tensorboard)
+        writer = start_run(cfg, self.output_dir)
         steps = self.total_steps()
         params = [p for p in self.model.parameters() if p.requires_grad]
         # The fused kernel (one launch for all parameters) also exists on CPU; it matters for

@@ -39,7 +39,6 @@ from typing import ClassVar
 import torch
 from safetensors.torch import load_file, save_file
 
-from posttrain import config as config_mod
 from posttrain import data as data_mod
 from posttrain.builtin import task as builtin_task
 from posttrain.config import ConfigError, TrainConfig, _check
@@ -81,11 +80,11 @@ from posttrain.modeling import (
 from posttrain.rewards import parse_rewards, score
 from posttrain.rollout import Rollout, SamplingParams, concat, generate, select
 from posttrain.trainers.base import (
-    MetricsWriter,
     load_optimizer,
     lr_lambda,
     save_optimizer,
     seed_everything,
+    start_run,
 )
 
 log = logging.getLogger(__name__)
@@ -176,12 +175,12 @@ class RLConfig(TrainConfig):
     def validate(self) -> None:
         super().validate()
         _check(self.algo in self.ALGOS, f"algo must be one of {', '.join(self.ALGOS)}")
-        _check(self.group_size >= 2 or not self.algorithm().needs_groups,
+        algo = self.algorithm()
+        _check(self.group_size >= 2 or not algo.needs_groups,
                f"group_size must be ≥ 2 for {self.algo}")
         _check(self.reward_clip >= 0 and self.missing_eos_penalty >= 0 and self.kl_target >= 0
                and self.kl_horizon > 0, "reward_clip, missing_eos_penalty and kl_target must "
                "be ≥ 0 and kl_horizon > 0")
-        algo = self.algorithm()
         token_rewards = algo.advantage in TOKEN_REWARD_ESTIMATORS
         for key in ("reward_kl_coef", "reward_kl_estimator", "gamma", "lam", "kl_target"):
             if getattr(self, key) and not token_rewards:
@@ -321,15 +320,19 @@ class TokenBatch:
                                      self.prompt_index)
         return self.packed
 
+    def _shared(self, model, rows: torch.Tensor) -> tuple[tuple, dict]:
+        """Arguments of :func:`shared_prompt_logprobs`/:func:`shared_prompt_hidden` for the
+        completions ``rows``: the prompts they use, renumbered, and the batch's packing."""
+        groups, index = torch.unique(self.prompt_index[rows], return_inverse=True)
+        args = (self.prompt_ids[groups], self.prompt_mask[groups], self.completion_ids[rows],
+                self.completion_mask[rows])
+        return args, {"prompt_index": index, "packed": self._packed_for(model)}
+
     def logprobs(self, model, rows: torch.Tensor, with_entropy: bool = False):
         """Log-probs (and entropy) of the completions of ``rows``, ``(len(rows), Lc)``."""
         if self.share:
-            groups, index = torch.unique(self.prompt_index[rows], return_inverse=True)
-            return shared_prompt_logprobs(model, self.prompt_ids[groups],
-                                          self.prompt_mask[groups], self.completion_ids[rows],
-                                          self.completion_mask[rows], prompt_index=index,
-                                          with_entropy=with_entropy,
-                                          packed=self._packed_for(model))
+            args, kw = self._shared(model, rows)
+            return shared_prompt_logprobs(model, *args, with_entropy=with_entropy, **kw)
         out = completion_logprobs(model, self.full["input_ids"][rows],
                                   self.full["attention_mask"][rows],
                                   self.full["loss_mask"][rows], with_entropy=with_entropy)
@@ -349,11 +352,8 @@ class TokenBatch:
         state the policy acts in), 0 where the mask is 0."""
         mask = self.completion_mask[rows]
         if self.share:
-            groups, index = torch.unique(self.prompt_index[rows], return_inverse=True)
-            hidden = shared_prompt_hidden(critic, self.prompt_ids[groups],
-                                          self.prompt_mask[groups], self.completion_ids[rows],
-                                          mask, prompt_index=index,
-                                          packed=self._packed_for(critic))
+            args, kw = self._shared(critic, rows)
+            hidden = shared_prompt_hidden(critic, *args, **kw)
         else:
             hidden = completion_hidden(critic, self.full["input_ids"][rows],
                                        self.full["attention_mask"][rows],
@@ -692,11 +692,10 @@ class RLTrainer:
             record["reward/shaped_mean"] = float(scores[valid].mean())
         if algo.reward_kl_coef != 0:
             # the penalty's KL, per sequence (what the adaptive controller tracks)
-            kl_seq = masked_sum(kl_penalty(old, ref, algo.reward_kl_estimator), mask, dim=-1)
-            kl = float(kl_seq[valid].mean())
+            kl_tok = kl_penalty(old, ref, algo.reward_kl_estimator)
+            kl = float(masked_sum(kl_tok, mask, dim=-1)[valid].mean())
             record.update({"kl/seq_mean": kl, "kl/coef": algo.reward_kl_coef,
-                           "kl/token_mean": float(masked_mean(
-                               kl_penalty(old, ref, algo.reward_kl_estimator), mask))})
+                           "kl/token_mean": float(masked_mean(kl_tok, mask))})
             if train_policy:  # while the critic warms up the policy is the reference
                 self.kl_ctl.update(kl, int(valid.sum()))
         if self.critic is not None:
@@ -742,10 +741,7 @@ class RLTrainer:
     # --- the loop ----------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
         cfg = self.cfg
-        seed_everything(cfg.seed)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        config_mod.dump(cfg, self.out_dir / "config.yaml")
-        writer = MetricsWriter(self.out_dir, cfg.tensorboard)
+        writer = start_run(cfg, self.out_dir)
         opt, critic_opt = self.make_optimizers()
         if cfg.resume_from:
             self._restore(Path(cfg.resume_from), opt, critic_opt)
