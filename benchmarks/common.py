@@ -3,6 +3,7 @@ subprocess (with its peak RSS), and alternating the two libraries across repeats
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -32,6 +33,21 @@ def spawn(cmd: list[str], env: dict[str, str]) -> tuple[str, str, int, float]:
         out.seek(0)
         err.seek(0)
         return out.read(), err.read(), code, usage.ru_maxrss / 1024
+
+
+def comparison_parser(doc: str, steps: int) -> argparse.ArgumentParser:
+    """The command line every side-by-side benchmark takes (sizes, settings, repeats, steps,
+    warm-up steps, work directory, and the hidden ``--child IMPL SIZE SETTING``)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--sizes", nargs="+", default=["small", "medium"], choices=list(SIZES))
+    p.add_argument("--settings", nargs="+", default=["identical", "defaults"])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--work", default=None)
+    p.add_argument("--child", nargs=3, metavar=("IMPL", "SIZE", "SETTING"),
+                   help=argparse.SUPPRESS)
+    return p
 
 
 def alternate(script: str, size: str, setting: str, repeats: int, child_args: list[str],

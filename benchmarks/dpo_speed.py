@@ -20,7 +20,6 @@ Needs the bench extra: pip install -e '.[bench]'
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -29,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import SIZES, alternate, child_env
+from common import SIZES, alternate, child_env, comparison_parser
 
 PAIRS, LR, BETA = 16, 1e-5, 0.1
 
@@ -111,15 +110,7 @@ def _child(args) -> int:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sizes", nargs="+", default=["small", "medium"], choices=list(SIZES))
-    p.add_argument("--settings", nargs="+", default=["identical", "defaults"])
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--work", default=None)
-    p.add_argument("--child", nargs=3, metavar=("IMPL", "SIZE", "SETTING"), help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = comparison_parser(__doc__, steps=12).parse_args()
     if args.child:
         args.impl, args.size, args.setting = args.child
         return _child(args)

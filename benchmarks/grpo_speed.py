@@ -19,7 +19,6 @@ Needs the bench extra: pip install -e '.[bench]'
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -28,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import SIZES, alternate, child_env
+from common import SIZES, alternate, child_env, comparison_parser
 
 PROMPTS, G, NEW, BETA, LR = 8, 8, 32, 0.04, 1e-5
 
@@ -106,15 +105,7 @@ def _child(impl, size, setting, steps, work) -> int:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sizes", nargs="+", default=["small", "medium"], choices=list(SIZES))
-    p.add_argument("--settings", nargs="+", default=["identical", "defaults"])
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--work", default=None)
-    p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = comparison_parser(__doc__, steps=8).parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="posttrain-grpo-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     if args.child:
