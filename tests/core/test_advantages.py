@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from masks import SHAPES, random_mask
 
 from posttrain.core.advantages import (
     discounted_returns,
@@ -15,23 +16,6 @@ from posttrain.core.advantages import (
     rloo_advantages,
     token_level_rewards,
 )
-
-SHAPES = [(1, 1), (2, 3), (5, 8), (9, 17)]
-
-
-def random_mask(B: int, T: int, gen: torch.Generator, holes: bool = False) -> torch.Tensor:
-    """Rows of ``[prompt zeros][response ones][padding zeros]``; one row fully empty when
-    ``B > 1``. With ``holes`` some response tokens inside the span are masked too."""
-    mask = torch.zeros(B, T, dtype=torch.bool)
-    for i in range(B):
-        start = int(torch.randint(0, T, (1,), generator=gen))
-        length = int(torch.randint(0, T - start + 1, (1,), generator=gen))
-        mask[i, start:start + length] = True
-    if holes:
-        mask &= torch.rand(B, T, generator=gen) > 0.3
-    if B > 1:
-        mask[B // 2] = False
-    return mask
 
 
 def random_groups(sizes: list[int], gen: torch.Generator, stride: int = 1) -> torch.Tensor:

@@ -4,23 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from masks import SHAPES, random_mask
 
 from posttrain.core.aggregate import AGGREGATIONS, aggregate_loss, step_normalizer
-
-SHAPES = [(1, 1), (2, 3), (5, 8), (9, 17)]
-
-
-def random_mask(B: int, T: int, gen: torch.Generator) -> torch.Tensor:
-    """Rows of ``[prompt zeros][response ones][padding zeros]``; one row fully empty when
-    ``B > 1``."""
-    mask = torch.zeros(B, T, dtype=torch.bool)
-    for i in range(B):
-        start = int(torch.randint(0, T, (1,), generator=gen))
-        length = int(torch.randint(0, T - start + 1, (1,), generator=gen))
-        mask[i, start:start + length] = True
-    if B > 1:
-        mask[B // 2] = False
-    return mask
 
 
 def naive_aggregate(loss, mask, mode, constant=1.0):

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from masks import SHAPES, random_mask
 
 from posttrain.core.aggregate import aggregate_loss
 from posttrain.core.policy import (
@@ -16,22 +17,6 @@ from posttrain.core.policy import (
     value_loss,
 )
 
-SHAPES = [(1, 1), (2, 3), (5, 8), (9, 17)]
-
-
-def random_mask(B: int, T: int, gen: torch.Generator) -> torch.Tensor:
-    """Rows of ``[prompt zeros][response ones][padding zeros]``; one row fully empty when
-    ``B > 1``; row 0 always has a token."""
-    mask = torch.zeros(B, T, dtype=torch.bool)
-    for i in range(B):
-        start = int(torch.randint(0, T, (1,), generator=gen))
-        length = int(torch.randint(0, T - start + 1, (1,), generator=gen))
-        mask[i, start:start + length] = True
-    if B > 1:
-        mask[B // 2] = False
-    mask[0, -1] = True
-    return mask
-
 
 def policy_inputs(B, T, gen, spread=0.4, per_token_adv=True):
     """float64 logprobs (leaf, requires grad), old logprobs, advantages, mask."""
@@ -40,7 +25,7 @@ def policy_inputs(B, T, gen, spread=0.4, per_token_adv=True):
     lp.requires_grad_(True)
     shape = (B, T) if per_token_adv else (B,)
     adv = torch.randn(*shape, generator=gen, dtype=torch.float64)
-    return lp, old, adv, random_mask(B, T, gen)
+    return lp, old, adv, random_mask(B, T, gen, first_row_nonempty=True)
 
 
 def tok_adv(adv, b, t):
@@ -326,7 +311,7 @@ def test_on_policy_ratio_is_exactly_one(fn, dtype):
     """With old_logprobs = logprobs.detach() every ratio is exactly 1 (μ = 1), nothing is
     clipped, the loss is -A on each token and its gradient is -A."""
     gen = torch.Generator().manual_seed(9)
-    mask = random_mask(6, 7, gen)
+    mask = random_mask(6, 7, gen, first_row_nonempty=True)
     lp = (-torch.rand(6, 7, generator=gen) * 30).to(dtype).requires_grad_(True)
     adv = torch.randn(6, generator=gen).to(dtype)
     loss, m = fn(lp, lp.detach(), adv, mask)
@@ -346,7 +331,7 @@ def test_gspo_token_with_sequence_advantages_has_gspo_gradient(clip, seed):
     """GSPO-token with A_{i,t} = A_i aggregated by seq_mean has GSPO's loss and gradient."""
     gen = torch.Generator().manual_seed(seed)
     B, T = 8, 10
-    mask = random_mask(B, T, gen)
+    mask = random_mask(B, T, gen, first_row_nonempty=True)
     old = -torch.rand(B, T, generator=gen, dtype=torch.float64) * 2
     spread = 4e-4 if clip[0] < 1e-2 else 0.3
     noise = torch.randn(B, T, generator=gen, dtype=torch.float64) * spread
@@ -372,7 +357,7 @@ def test_value_loss_matches_naive(shape, clip):
     value_clip_frac and explained_variance equal the formula."""
     gen = torch.Generator().manual_seed(shape[0] + 13 * shape[1])
     B, T = shape
-    mask = random_mask(B, T, gen)
+    mask = random_mask(B, T, gen, first_row_nonempty=True)
     old_values = torch.randn(B, T, generator=gen, dtype=torch.float64)
     values = (old_values + torch.randn(B, T, generator=gen, dtype=torch.float64) * 0.5)
     values.requires_grad_(True)
@@ -406,7 +391,7 @@ def test_explained_variance_matches_naive(seed):
     """1 - Var[R - V]/Var[R] over unmasked tokens; 1 for a perfect critic, 0 for constant
     returns, and masked garbage is ignored."""
     gen = torch.Generator().manual_seed(seed)
-    mask = random_mask(5, 9, gen)
+    mask = random_mask(5, 9, gen, first_row_nonempty=True)
     returns = torch.randn(5, 9, generator=gen, dtype=torch.float64)
     values = returns + torch.randn(5, 9, generator=gen, dtype=torch.float64) * 0.5
     values[~mask] = 1e9
@@ -442,7 +427,7 @@ def test_value_loss_gives_no_gradient_to_returns_or_old_values(clip):
     values, old_values, returns = torch.randn(3, 4, 5, generator=gen).unbind(0)
     for t in (values, old_values, returns):
         t.requires_grad_(True)
-    mask = random_mask(4, 5, gen)
+    mask = random_mask(4, 5, gen, first_row_nonempty=True)
     loss, _ = value_loss(values, old_values, returns, mask, clip)
     aggregate_loss(loss, mask, "token_mean").backward()
     assert values.grad is not None and values.grad.abs().sum() > 0
