@@ -50,6 +50,33 @@ def comparison_parser(doc: str, steps: int) -> argparse.ArgumentParser:
     return p
 
 
+def run_comparisons(script: str, args, work) -> list[tuple]:
+    """``alternate`` for every size × setting of ``args`` (a :func:`comparison_parser`
+    namespace); rows of ``(size, setting, trl, posttrain)``."""
+    table = []
+    for size in args.sizes:
+        for setting in args.settings:
+            res = alternate(script, size, setting, args.repeats,
+                            ["--steps", str(args.steps), "--work", str(work)], args.warmup)
+            table.append((size, setting, res["trl"], res["posttrain"]))
+    return table
+
+
+def print_comparison(title: str, table: list[tuple], digits: int, run_time: bool) -> None:
+    """The markdown table of :func:`run_comparisons` rows: step times, speed-up, (whole-run
+    times,) peak RSS."""
+    total = " TRL run s | posttrain run s |" if run_time else ""
+    print(title)
+    print(f"| model | setting | TRL s/step | posttrain s/step | speed-up |{total} "
+          "TRL peak RSS MiB | posttrain peak RSS MiB |")
+    print("|---" * (9 if run_time else 7) + "|")
+    for size, setting, trl, pt in table:
+        runs = f" {trl['total_s']:.1f} | {pt['total_s']:.1f} |" if run_time else ""
+        print(f"| {size} | {setting} | {trl['step_s']:.{digits}f} | {pt['step_s']:.{digits}f} | "
+              f"{trl['step_s'] / pt['step_s']:.2f}x |{runs} {trl['rss_mib']:.0f} | "
+              f"{pt['rss_mib']:.0f} |")
+
+
 def alternate(script: str, size: str, setting: str, repeats: int, child_args: list[str],
               warmup: int) -> dict[str, dict[str, float]]:
     """Run ``script --child IMPL SIZE SETTING *child_args`` for both libraries, alternating

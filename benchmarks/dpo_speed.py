@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import SIZES, alternate, child_env, comparison_parser
+from common import SIZES, child_env, comparison_parser, print_comparison, run_comparisons
 
 PAIRS, LR, BETA = 16, 1e-5, 0.1
 
@@ -116,22 +116,11 @@ def main() -> int:
         return _child(args)
 
     work = Path(args.work or tempfile.mkdtemp(prefix="posttrain-dpo-bench-"))
-    table = []
-    for size in args.sizes:
-        for setting in args.settings:
-            res = alternate(__file__, size, setting, args.repeats,
-                            ["--steps", str(args.steps), "--work", str(work)], args.warmup)
-            table.append((size, setting, res["trl"], res["posttrain"]))
-    print(f"DPO, {PAIRS} pairs/step, fp32, CPU threads={child_env()['OMP_NUM_THREADS']}, "
-          f"{args.steps} steps (first {args.warmup} skipped), median of {args.repeats} "
-          "alternating runs")
-    print("| model | setting | TRL s/step | posttrain s/step | speed-up | TRL run s | "
-          "posttrain run s | TRL peak RSS MiB | posttrain peak RSS MiB |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for size, setting, trl, pt in table:
-        print(f"| {size} | {setting} | {trl['step_s']:.4f} | {pt['step_s']:.4f} | "
-              f"{trl['step_s'] / pt['step_s']:.2f}x | {trl['total_s']:.1f} | "
-              f"{pt['total_s']:.1f} | {trl['rss_mib']:.0f} | {pt['rss_mib']:.0f} |")
+    table = run_comparisons(__file__, args, work)
+    print_comparison(f"DPO, {PAIRS} pairs/step, fp32, CPU threads="
+                     f"{child_env()['OMP_NUM_THREADS']}, {args.steps} steps (first "
+                     f"{args.warmup} skipped), median of {args.repeats} alternating runs",
+                     table, digits=4, run_time=True)
     return 0
 
 

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import SIZES, alternate, child_env, comparison_parser
+from common import SIZES, child_env, comparison_parser, print_comparison, run_comparisons
 
 PROMPTS, G, NEW, BETA, LR = 8, 8, 32, 0.04, 1e-5
 
@@ -110,22 +110,11 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     if args.child:
         return _child(*args.child, args.steps, work)
-    table = []
-    for size in args.sizes:
-        for setting in args.settings:
-            res = alternate(__file__, size, setting, args.repeats,
-                            ["--steps", str(args.steps), "--work", str(work)], args.warmup)
-            table.append((size, setting, res["trl"], res["posttrain"]))
-    print(f"GRPO, {PROMPTS} prompts x {G} completions, {NEW} new tokens, fp32, CPU threads="
-          f"{child_env()['OMP_NUM_THREADS']}, median of {args.repeats} alternating runs "
-          f"(steps {args.warmup + 1}-{args.steps})")
-    print("| model | setting | TRL s/step | posttrain s/step | speed-up | TRL peak RSS MiB | "
-          "posttrain peak RSS MiB |")
-    print("|---|---|---|---|---|---|---|")
-    for size, setting, trl, pt in table:
-        print(f"| {size} | {setting} | {trl['step_s']:.3f} | {pt['step_s']:.3f} | "
-              f"{trl['step_s'] / pt['step_s']:.2f}x | {trl['rss_mib']:.0f} | "
-              f"{pt['rss_mib']:.0f} |")
+    table = run_comparisons(__file__, args, work)
+    print_comparison(f"GRPO, {PROMPTS} prompts x {G} completions, {NEW} new tokens, fp32, "
+                     f"CPU threads={child_env()['OMP_NUM_THREADS']}, median of "
+                     f"{args.repeats} alternating runs (steps {args.warmup + 1}-{args.steps})",
+                     table, digits=3, run_time=False)
     return 0
 
 
