@@ -102,19 +102,38 @@ def _sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None
 
 
 class HFDecoder:
-    """One decode step through the model's own forward, with its ``DynamicCache``."""
+    """One decode step through the model's own forward, with its ``DynamicCache``. It keeps
+    each row's attention mask and next position."""
 
-    def __init__(self, model, cache, n: int):
+    def __init__(self, model, cache, n: int, mask: torch.Tensor, pos: torch.Tensor):
         self.model, self.cache, self.kw = model, cache, cache_kwarg(model)
         cache.batch_repeat_interleave(n)
+        self.mask, self.pos = mask, pos  # (N, Lp), (N,)
 
     def select(self, rows: torch.Tensor) -> None:
         self.cache.batch_select_indices(rows)
+        self.mask, self.pos = self.mask[rows], self.pos[rows]
 
-    def step(self, tok: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos[:, None],
-                         use_cache=True, **{self.kw: self.cache})
+    def step(self, tok: torch.Tensor) -> torch.Tensor:
+        self.mask = torch.cat([self.mask, self.mask.new_ones(len(tok), 1)], dim=1)
+        out = self.model(input_ids=tok[:, None], attention_mask=self.mask,
+                         position_ids=self.pos[:, None], use_cache=True,
+                         **{self.kw: self.cache})
+        self.pos = self.pos + 1
         return out.logits[:, -1]
+
+
+def _rms_norm(norm):
+    """``norm`` as one call: ``F.rms_norm`` for float32 Llama-style RMSNorm modules (the same
+    arithmetic as their forward, in one op instead of six), else the module itself (half
+    precision: the module's cast order is kept exactly)."""
+    import torch.nn.functional as F
+
+    eps, weight = getattr(norm, "variance_epsilon", None), getattr(norm, "weight", None)
+    if eps is None or weight is None or weight.dtype != torch.float32:
+        return norm
+    shape = tuple(weight.shape)
+    return lambda x: F.rms_norm(x, shape, weight, eps)
 
 
 def _layer_kv(cache, i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,7 +166,8 @@ class LeanLlamaDecoder:
                 and not getattr(cfg, "final_logit_softcapping", None)
                 and getattr(cfg, "pretraining_tp", 1) == 1)
 
-    def __init__(self, model, cache, n: int, max_len: int):
+    def __init__(self, model, cache, n: int, max_len: int, mask: torch.Tensor,
+                 pos: torch.Tensor):
         import torch.nn.functional as F
 
         self.F = F
@@ -156,7 +176,7 @@ class LeanLlamaDecoder:
         self.nh = cfg.num_attention_heads
         self.nkv = cfg.num_key_value_heads
         self.hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.nh
-        self.embed, self.norm, self.head = base.embed_tokens, base.norm, model.lm_head
+        self.embed, self.norm, self.head = base.embed_tokens, _rms_norm(base.norm), model.lm_head
         self.layers = []
         for layer in base.layers:
             a, m = layer.self_attn, layer.mlp
@@ -164,8 +184,9 @@ class LeanLlamaDecoder:
             bqkv = (torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
                     if a.q_proj.bias is not None else None)
             wgu = torch.cat([m.gate_proj.weight, m.up_proj.weight])
-            self.layers.append((layer.input_layernorm, wqkv, bqkv, a.o_proj,
-                                layer.post_attention_layernorm, wgu, m.down_proj, a.scaling))
+            self.layers.append((_rms_norm(layer.input_layernorm), wqkv, bqkv, a.o_proj,
+                                _rms_norm(layer.post_attention_layernorm), wgu, m.down_proj,
+                                a.scaling))
         k0, _ = _layer_kv(cache, 0)
         P, _, Lp, _ = k0.shape
         N = P * n
@@ -175,16 +196,28 @@ class LeanLlamaDecoder:
             k, v = _layer_kv(cache, i)
             self.k[i, :, :, :Lp] = k.repeat_interleave(n, dim=0)
             self.v[i, :, :, :Lp] = v.repeat_interleave(n, dim=0)
-        self.col = Lp  # next cache column to write (prompts are left-padded to Lp)
+        self.col = self.start = Lp  # next cache column (prompts are left-padded to Lp)
         self.rows = N
+        # per row: the additive attention bias over every cache column, already repeated per
+        # head (left padding -inf, all else 0), and the rotary rows of each decode step
+        # (row r's step t sits at position pos[r] + t); a step only slices them
+        dtype = self.k.dtype
+        bias = torch.zeros(N, max_len, dtype=dtype, device=k0.device)
+        bias[:, :Lp].masked_fill_(mask == 0, float("-inf"))
+        self.bias = bias.repeat_interleave(self.nh, dim=0)[:, None]  # (N·nh, 1, max_len)
         positions = torch.arange(max_len, device=k0.device)[None]
         cos, sin = base.rotary_emb(k0, position_ids=positions)  # (1, max_len, hd)
-        self.cos, self.sin = cos[0], sin[0]
+        steps = (pos[:, None] + torch.arange(max_len - Lp, device=k0.device)).clamp_max(
+            max_len - 1)
+        self.cos, self.sin = cos[0][steps], sin[0][steps]  # (N, T, hd)
 
     def select(self, rows: torch.Tensor) -> None:
         n, c = len(rows), self.col  # only the columns written so far are worth moving
         self.k[:, :n, :, :c] = self.k[:, rows, :, :c]
         self.v[:, :n, :, :c] = self.v[:, rows, :, :c]
+        heads = (rows[:, None] * self.nh + torch.arange(self.nh, device=rows.device)).flatten()
+        self.bias = self.bias[heads]
+        self.cos, self.sin = self.cos[rows], self.sin[rows]
         self.rows = n
 
     def _rope(self, x, cos, sin):  # x (R, heads, hd); cos/sin (R, 1, hd)
@@ -192,15 +225,13 @@ class LeanLlamaDecoder:
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
 
-    def step(self, tok: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def step(self, tok: torch.Tensor) -> torch.Tensor:
         F, R, c = self.F, self.rows, self.col
         nh, nkv, hd = self.nh, self.nkv, self.hd
         h = self.embed(tok)  # (R, H)
-        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # (R, 1, hd)
-        # additive mask over the c+1 cached columns, shared by every head: (R·nh, 1, c+1)
-        bias = torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill_(
-            mask == 0, float("-inf"))
-        bias = bias.repeat_interleave(nh, dim=0)[:, None]
+        t = c - self.start
+        cos, sin = self.cos[:, t, None], self.sin[:, t, None]  # (R, 1, hd)
+        bias = self.bias[:, :, :c + 1]  # (R·nh, 1, c+1)
         for i, (n1, wqkv, bqkv, o_proj, n2, wgu, down, scaling) in enumerate(self.layers):
             qkv = F.linear(n1(h), wqkv, bqkv).view(R, nh + 2 * nkv, hd)
             qk = self._rope(qkv[:, :nh + nkv], cos, sin)  # q and k rotated in one pass
@@ -253,40 +284,43 @@ def generate(model, tokenizer, prompts: list[str], n: int = 1,
     mask = mask.repeat_interleave(n, dim=0)
     next_pos = positions[:, -1].repeat_interleave(n) + 1
     use_lean = engine == "lean" or (engine == "auto" and LeanLlamaDecoder.supports(model))
-    decoder = (LeanLlamaDecoder(model, cache, n, Lp + T) if use_lean
-               else HFDecoder(model, cache, n))
+    decoder = (LeanLlamaDecoder(model, cache, n, Lp + T, mask, next_pos) if use_lean
+               else HFDecoder(model, cache, n, mask, next_pos))
 
     tokens = torch.full((N, T), pad_id, dtype=torch.long, device=device)
     logps = torch.zeros(N, T, device=device)
     done = torch.zeros(N, dtype=torch.bool, device=device)
     end = torch.full((N,), T - 1, dtype=torch.long, device=device)  # last step of each row
-    active = torch.arange(N, device=device)  # rows still in the cache, in cache order
+    active = None  # rows still in the cache, in cache order; None while that is all of them
     stop = params.stop
     steps = 0
     for t in range(T):
         tok, lp = _sample(logits, params, generator)
-        tokens[active, t] = tok
-        logps[active, t] = lp
+        if active is None:
+            tokens[:, t], logps[:, t] = tok, lp
+        else:
+            tokens[active, t], logps[active, t] = tok, lp
         steps = t + 1
         finished = tok == eos_id
         if stop:
-            for j, row in enumerate(active.tolist()):
+            rows = range(N) if active is None else active.tolist()
+            for j, row in enumerate(rows):
                 if not finished[j]:
                     text = tokenizer.decode(tokens[row, :t + 1], skip_special_tokens=True)
                     finished[j] = any(s in text for s in stop)
-        done[active[finished]] = True
-        end[active[finished]] = t
-        keep = ~finished
-        if not keep.any() or t == T - 1:
+        if finished.any():  # the loop's one host sync per step
+            rows = finished.nonzero().squeeze(-1) if active is None else active[finished]
+            done[rows] = True
+            end[rows] = t
+            keep = (~finished).nonzero().squeeze(-1)
+            if len(keep) == 0:
+                break
+            decoder.select(keep)
+            active = keep if active is None else active[keep]
+            tok = tok[keep]
+        if t == T - 1:
             break
-        if not keep.all():
-            keep_idx = keep.nonzero().squeeze(-1)
-            decoder.select(keep_idx)
-            active, tok, mask, next_pos = (active[keep_idx], tok[keep_idx], mask[keep_idx],
-                                           next_pos[keep_idx])
-        mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1)
-        logits = decoder.step(tok, next_pos, mask)
-        next_pos = next_pos + 1
+        logits = decoder.step(tok)
     model.train(was_training)
 
     tokens, logps = tokens[:, :steps].cpu(), logps[:, :steps].cpu()
