@@ -280,3 +280,65 @@ def test_pad_shared_prompts_layout():
     assert out["prompt_mask"].tolist() == [[1, 1], [0, 1]]
     assert out["completion_ids"].tolist() == [[4, 0], [5, 6], [7, 8], [9, 0]]
     assert torch.equal(out["completion_mask"], torch.tensor([[1, 0], [1, 1], [1, 1], [1, 0]]))
+
+
+def test_compiled_pointwise_blocks_match_eager(tiny_model_dir, tmp_path):
+    """compile_pointwise_blocks compiles every RMSNorm and MLP block in place: log-probs and
+    parameter gradients equal the eager model's (full sequences and the shared-prompt
+    layout, training and inference mode), and the state dict and saved files are the same."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.data import pad_sequences, pad_shared_prompts
+    from posttrain.modeling import (
+        compile_pointwise_blocks,
+        compile_unsupported,
+        completion_logprobs,
+        load_causal_lm,
+        shared_prompt_logprobs,
+    )
+
+    if compile_unsupported(torch.device("cpu")):
+        pytest.skip(compile_unsupported(torch.device("cpu")))
+    eager = load_causal_lm(tiny_model_dir, device="cpu")
+    fused = copy.deepcopy(eager)
+    n_layers = eager.config.num_hidden_layers
+    assert compile_pointwise_blocks(fused) == 3 * n_layers + 1  # 2 norms + MLP each, final norm
+    assert compile_pointwise_blocks(fused) == 0  # already compiled
+    assert list(fused.state_dict()) == list(eager.state_dict())
+
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    completions = [[20, 21], [22], [23, 24, 25], [30], [31, 32, 33], [34, 35]]
+    full = pad_sequences(prompts * 2, completions, 0)
+    shared = pad_shared_prompts(prompts, completions, 0)
+
+    def run(model, layout):
+        model.zero_grad()
+        if layout == "full":
+            lp = completion_logprobs(model, full["input_ids"], full["attention_mask"],
+                                     full["loss_mask"])
+        else:
+            lp = shared_prompt_logprobs(model, shared["prompt_ids"], shared["prompt_mask"],
+                                        shared["completion_ids"], shared["completion_mask"],
+                                        packed=False)
+        lp.sum().backward()
+        return lp.detach(), [p.grad.clone() for p in model.parameters()]
+
+    for layout in ("full", "shared"):
+        lp_e, g_e = run(eager, layout)
+        lp_f, g_f = run(fused, layout)
+        torch.testing.assert_close(lp_f, lp_e, rtol=1e-5, atol=1e-6)
+        for a, b in zip(g_f, g_e, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    with torch.inference_mode():
+        torch.testing.assert_close(
+            completion_logprobs(fused, full["input_ids"], full["attention_mask"],
+                                full["loss_mask"]),
+            completion_logprobs(eager, full["input_ids"], full["attention_mask"],
+                                full["loss_mask"]), rtol=1e-5, atol=1e-6)
+    fused.save_pretrained(tmp_path / "saved")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    for (k, v), (k2, v2) in zip(reloaded.state_dict().items(), eager.state_dict().items(),
+                                strict=True):
+        assert k == k2 and torch.equal(v, v2)

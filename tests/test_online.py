@@ -262,3 +262,24 @@ def test_learning_rate_schedule_over_rl_steps(tiny_model_dir, tmp_path, rl_files
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     lrs = [r["optim/lr"] for r in rows if "optim/lr" in r]
     assert lrs == pytest.approx([5e-4, 1e-3, 1e-3, 5e-4])
+
+
+def test_compile_option(tiny_model_dir, tmp_path, monkeypatch):
+    """compile=true compiles the policy's and the reference's pointwise blocks and the loop
+    runs; where no kernels can be built it is a config error that says why."""
+    from posttrain.modeling import compile_unsupported
+    from posttrain.trainers import base
+
+    if compile_unsupported(torch.device("cpu")):
+        pytest.skip(compile_unsupported(torch.device("cpu")))
+    cfg = _cfg(tiny_model_dir, tmp_path / "run", "grpo", compile=True)
+    trainer = RLTrainer(cfg)
+    assert trainer.compiled
+    for model in (trainer.policy, trainer.ref):
+        assert getattr(model.model.norm, "_compiled_call_impl", None) is not None
+    trainer.train()
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "train/loss" in r] == [1, 2]
+    monkeypatch.setattr(base, "compile_unsupported", lambda device: "no C++ compiler on PATH")
+    with pytest.raises(ConfigError, match="compile=true: no C\\+\\+ compiler"):
+        RLTrainer(_cfg(tiny_model_dir, tmp_path / "run2", "grpo", compile=True))

@@ -81,6 +81,42 @@ def load_reward_model(name: str, tokenizer: PreTrainedTokenizerBase, dtype: str 
     return model.to(pick_device(device))
 
 
+def compile_unsupported(device: torch.device) -> str | None:
+    """Why ``torch.compile`` cannot build kernels for ``device`` here, or None when it can."""
+    import importlib.util
+    import shutil
+
+    if device.type == "cpu":
+        if not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+            return "no C++ compiler on PATH (torch.compile builds its CPU kernels with one)"
+        return None
+    if device.type == "cuda":
+        return None if importlib.util.find_spec("triton") else "triton is not installed"
+    return f"torch.compile is not supported here on {device.type}"
+
+
+def compile_pointwise_blocks(model: torch.nn.Module) -> int:
+    """Compile, in place and for dynamic shapes, every RMSNorm and MLP block of ``model``.
+
+    These blocks are pure tensor functions in ``transformers``' model code (no cache, no
+    mask), and most of their time on a CPU is memory-bound elementwise work — the norm's six
+    ops, SiLU times up — in the forward and again in the backward, which the compiled
+    kernels fuse. Attention, rotary embeddings and the cache stay in eager code. Parameters,
+    ``state_dict`` keys and saved files are unchanged; values and gradients match eager to
+    float rounding (tested). Returns the number of modules compiled (already compiled ones
+    are left alone).
+    """
+    n = 0
+    for module in model.modules():
+        name = type(module).__name__
+        if not (name.endswith("RMSNorm") or name.endswith("MLP")):
+            continue
+        if getattr(module, "_compiled_call_impl", None) is None:
+            module.compile(dynamic=True)
+            n += 1
+    return n
+
+
 def has_plain_head(model: PreTrainedModel) -> bool:
     """Whether logits are exactly ``lm_head(last_hidden_state)`` (no soft-capping/scaling),
     so we may apply the head to the positions we need only."""

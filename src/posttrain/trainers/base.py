@@ -25,7 +25,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from safetensors.torch import load_file, save_file
 
 from posttrain import config as config_mod
-from posttrain.modeling import save_model
+from posttrain.config import ConfigError
+from posttrain.modeling import compile_pointwise_blocks, compile_unsupported, save_model
 
 log = logging.getLogger(__name__)
 console = Console(stderr=True)
@@ -107,6 +108,22 @@ class MetricsWriter:
             self.tb.close()
 
 
+def compile_models(cfg, models: list, device: torch.device) -> bool:
+    """Apply ``cfg.compile`` to ``models`` (None entries skipped): their RMSNorm and MLP blocks
+    are compiled in place (:func:`posttrain.modeling.compile_pointwise_blocks`)."""
+    if not cfg.compile:
+        return False
+    reason = compile_unsupported(device)
+    if reason is not None:
+        raise ConfigError(f"compile=true: {reason}")
+    models = [m for m in models if m is not None]
+    for model in models:
+        compile_pointwise_blocks(model)
+    print(f"torch.compile: RMSNorm and MLP blocks of {len(models)} model(s); they compile on "
+          "first use, then run fused", flush=True)
+    return True
+
+
 class Trainer:
     """Base of the offline trainers (SFT, reward model, DPO)."""
 
@@ -121,6 +138,7 @@ class Trainer:
         self.eval_examples = eval_examples
         self.device = next(model.parameters()).device
         self.output_dir = Path(cfg.output_dir or f"runs/{self.command}")
+        compile_models(cfg, [model], self.device)
 
     # --- what a subclass provides ------------------------------------------------------------
     def collate(self, examples: list) -> dict:

@@ -28,7 +28,7 @@ from posttrain.modeling import (
     sequence_scores,
     shared_prompt_logprobs,
 )
-from posttrain.trainers.base import Trainer, seed_everything
+from posttrain.trainers.base import Trainer, compile_models, seed_everything
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +180,8 @@ class DPOTrainer(Trainer):
             for examples in (self.train_examples, self.eval_examples):
                 self._cache_reference(examples)
             self.ref_model = None  # the cache replaces it: free the memory
+        else:
+            compile_models(cfg, [self.ref_model], self.device)
 
     @torch.no_grad()
     def _cache_reference(self, examples):

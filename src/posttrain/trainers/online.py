@@ -80,6 +80,7 @@ from posttrain.modeling import (
 from posttrain.rewards import parse_rewards, score
 from posttrain.rollout import Rollout, SamplingParams, concat, generate, select
 from posttrain.trainers.base import (
+    compile_models,
     load_optimizer,
     lr_lambda,
     save_optimizer,
@@ -463,6 +464,7 @@ class RLTrainer:
                                      cfg.max_new_tokens, stop)
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self._order: list[int] = []
+        self.compiled = compile_models(cfg, [self.policy, self.ref, self.critic], self.device)
 
     def _critic_source(self) -> str:
         cfg = self.cfg
