@@ -46,7 +46,7 @@ def quick_start(work: Path, dtype: str) -> dict:
             **_median_rows(out, ("time/step_s", "time/generate_s", "time/train_s"), 2)}
 
 
-def grpo_step(work: Path, size: str, dtype: str, steps: int) -> dict:
+def grpo_step(work: Path, size: str, dtype: str, steps: int, compile: bool = False) -> dict:
     """The grpo_speed.py "identical" setting on a random model of ``size``."""
     from posttrain.builtin.build import init_model
     from posttrain.trainers.online import RLConfig, run_rl
@@ -54,18 +54,20 @@ def grpo_step(work: Path, size: str, dtype: str, steps: int) -> dict:
     model_dir = work / f"model-{size}"
     if not model_dir.exists():
         init_model(model_dir, **SIZES[size])
-    out = work / f"grpo-{size}-{dtype}"
+    out = work / f"grpo-{size}-{dtype}-{'compiled' if compile else 'eager'}"
     cfg = RLConfig(model=str(model_dir), output_dir=str(out), algo="grpo", max_steps=steps,
                    prompts_per_step=8, group_size=8, max_new_tokens=32, lr=1e-5,
                    kl_coef=0.04, minibatch_size=64, micro_batch_size=64, device="cuda",
                    dtype=dtype, builtin_eval_size=0, eval_every=0, log_every=1000,
-                   tensorboard=False)
+                   tensorboard=False, compile=compile)
     cfg.validate()
     run_rl(cfg)
     keys = ("time/step_s", "time/generate_s", "time/score_s", "time/train_s",
             "time/tokens_per_s", "completion/length_mean")
-    return {"what": "grpo_identical", "size": size, "dtype": dtype,
-            **_median_rows(out, keys, 2)}
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    first = next(r["time/step_s"] for r in rows if "time/step_s" in r)
+    return {"what": "grpo_identical", "size": size, "dtype": dtype, "compile": compile,
+            "first_step_s": round(first, 3), **_median_rows(out, keys, 2)}
 
 
 def rollout(work: Path, size: str, dtype: str) -> dict:
@@ -119,6 +121,9 @@ def main() -> int:
         for dtype in ("float32", "bfloat16"):
             print(json.dumps(grpo_step(work, size, dtype, args.steps)), flush=True)
             print(json.dumps(rollout(work, size, dtype)), flush=True)
+    for dtype in ("float32", "bfloat16"):
+        print(json.dumps(grpo_step(work, "medium", dtype, args.steps, compile=True)),
+              flush=True)
     return 0
 
 
