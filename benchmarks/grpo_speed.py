@@ -7,6 +7,9 @@ update per batch, fp32, no vLLM, gradient checkpointing off, lr 1e-5. ``defaults
 batch shape and algorithm name with each library's other defaults. ``identical_compiled``:
 ``identical`` with posttrain's ``compile=true`` (its RMSNorm and MLP blocks compiled; the
 one-off compile falls in the first step, which the median skips) and TRL unchanged (eager).
+``compiled``: ``identical`` with both compiled: posttrain ``compile=true``, TRL
+``torch_compile=True`` (the Trainer compiles the whole model; its first step holds the
+compile).
 
 Models: ``small`` (~0.5M: hidden 128, 2 layers) and ``medium`` (~25M: hidden 512, 8 layers),
 random init with the built-in byte tokenizer; the reward is the built-in task's exact answer
@@ -16,7 +19,7 @@ median step (skipping ``--warmup`` steps), the median over repeats, their ratio,
 run's peak RSS (``wait4``).
 
 Usage: python benchmarks/grpo_speed.py [--sizes small medium] [--repeats 3] [--steps 8]
-       [--settings identical defaults identical_compiled]
+       [--settings identical defaults identical_compiled compiled]
 Needs the bench extra: pip install -e '.[bench]'
 """
 
@@ -51,9 +54,9 @@ def _run_posttrain(model_dir, steps, setting, out) -> dict:
               prompts_per_step=PROMPTS, group_size=G, max_new_tokens=NEW, lr=LR,
               builtin_eval_size=0, eval_every=0, log_every=1000, device="cpu",
               tensorboard=False)
-    if setting.startswith("identical"):
+    if setting.startswith("identical") or setting == "compiled":
         kw.update(kl_coef=BETA, minibatch_size=PROMPTS * G, micro_batch_size=PROMPTS * G)
-    if setting == "identical_compiled":
+    if setting in ("identical_compiled", "compiled"):
         kw.update(compile=True)
     cfg = RLConfig(**kw)
     cfg.validate()
@@ -86,10 +89,11 @@ def _run_trl(model_dir, steps, setting, out) -> dict:
                   learning_rate=LR, report_to="none", save_strategy="no", use_cpu=True,
                   disable_tqdm=True, logging_steps=10_000, dataloader_num_workers=0,
                   temperature=1.0)
-    if setting.startswith("identical"):
+    if setting.startswith("identical") or setting == "compiled":
         args = GRPOConfig(**common, beta=BETA, epsilon=0.2, loss_type="grpo",
                           scale_rewards="group", bf16=False, gradient_checkpointing=False,
-                          use_vllm=False, lr_scheduler_type="constant")
+                          use_vllm=False, lr_scheduler_type="constant",
+                          torch_compile=setting == "compiled")
     else:
         args = GRPOConfig(**common)
     trainer = GRPOTrainer(model=model, reward_funcs=[task.reward], args=args,
