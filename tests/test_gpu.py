@@ -12,14 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from posttrain.data import pad_sequences, pad_shared_prompts
-from posttrain.modeling import (
-    completion_logprobs,
-    load_causal_lm,
-    load_tokenizer,
-    shared_prompt_logprobs,
-)
+from compiled import compiled_errors
+from posttrain.data import pad_sequences
+from posttrain.modeling import completion_logprobs, load_causal_lm, load_tokenizer
 from posttrain.rollout import SamplingParams, generate
+from shared_prompt import assert_shared_prompt_equals_full
 
 pytestmark = pytest.mark.gpu
 
@@ -70,24 +67,8 @@ def test_sampling_on_cuda_is_seeded_and_scores_itself(tok, dtype):
 def test_shared_prompt_logprobs_on_cuda(packed):
     """The shared-prompt forward (packed with its 4-D mask, or two calls) equals full
     sequences on the GPU, values and parameter gradients."""
-    model = load_causal_lm("builtin", device="cuda")
-    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
-    completions = [[20, 21], [22], [23, 24, 25], [30], [31, 32, 33], [34, 35]]
-    shared = {k: v.cuda() for k, v in pad_shared_prompts(prompts, completions, 0).items()}
-    full = {k: v.cuda() for k, v in pad_sequences(prompts * 2, completions, 0).items()}
-    model.zero_grad()
-    a = shared_prompt_logprobs(model, shared["prompt_ids"], shared["prompt_mask"],
-                               shared["completion_ids"], shared["completion_mask"],
-                               packed=packed).sum(-1)
-    a.sum().backward()
-    grads_a = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
-    b = completion_logprobs(model, full["input_ids"], full["attention_mask"],
-                            full["loss_mask"]).sum(-1)
-    b.sum().backward()
-    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    for ga, p in zip(grads_a, model.parameters(), strict=True):
-        torch.testing.assert_close(ga, p.grad, rtol=1e-3, atol=1e-4)
+    assert_shared_prompt_equals_full(load_causal_lm("builtin", device="cuda"), packed,
+                                     tol=1e-4, grad_rtol=1e-3, grad_atol=1e-4)
 
 
 def _finite_metrics(out) -> list[dict]:
@@ -133,29 +114,9 @@ def test_compiled_blocks_match_eager_on_cuda(dtype):
     """compile=true on the GPU (triton kernels): in float32 the compiled RMSNorm/MLP blocks
     give eager's log-probs and gradients (relative error norm per tensor < 2e-4; they sum in
     another order); in bfloat16 they stay as close to float32 as eager bfloat16 does."""
-    from posttrain.modeling import compile_pointwise_blocks
-
-    def grads(model):
-        batch = {k: v.cuda() for k, v in pad_sequences([[5, 6, 7], [8, 9]] * 2,
-                                                       [[20, 21], [22], [23, 24, 25], [30]],
-                                                       0).items()}
-        model.zero_grad()
-        lp = completion_logprobs(model, batch["input_ids"], batch["attention_mask"],
-                                 batch["loss_mask"])
-        lp.sum().backward()
-        return lp.detach().float(), torch.cat([p.grad.float().flatten()
-                                               for p in model.parameters()])
-
-    def rel(a, b):
-        return ((a - b).norm() / b.norm()).item()
-
-    eager = load_causal_lm("builtin", dtype=dtype, device="cuda")
-    fused = load_causal_lm("builtin", dtype=dtype, device="cuda")
-    assert compile_pointwise_blocks(fused) > 0
-    (lp_e, g_e), (lp_f, g_f) = grads(eager), grads(fused)
+    err = compiled_errors(dtype, "cuda")
     if dtype == "float32":
-        assert rel(lp_f, lp_e) < 2e-4 and rel(g_f, g_e) < 2e-4
+        assert err["lp_vs_eager"] < 2e-4 and err["g_vs_eager"] < 2e-4
     else:
-        lp_32, g_32 = grads(load_causal_lm("builtin", device="cuda"))
-        assert rel(lp_f, lp_32) <= 3 * rel(lp_e, lp_32) + 1e-3
-        assert rel(g_f, g_32) <= 3 * rel(g_e, g_32) + 1e-2
+        assert err["lp_compiled_vs_fp32"] <= 3 * err["lp_eager_vs_fp32"] + 1e-3
+        assert err["g_compiled_vs_fp32"] <= 3 * err["g_eager_vs_fp32"] + 1e-2
