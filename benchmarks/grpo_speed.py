@@ -8,8 +8,9 @@ batch shape and algorithm name with each library's other defaults. ``identical_c
 ``identical`` with posttrain's ``compile=true`` (its RMSNorm and MLP blocks compiled; the
 one-off compile falls in the first step, which the median skips) and TRL unchanged (eager).
 ``compiled``: ``identical`` with both compiled: posttrain ``compile=true``, TRL
-``torch_compile=True`` (the Trainer compiles the whole model; its first step holds the
-compile).
+``torch_compile=True`` (its Trainer compiles the policy and reference models for the
+training and reference forwards; generation runs uncompiled, as posttrain's lean decoder
+does; its first step holds the compile).
 
 Models: ``small`` (~0.5M: hidden 128, 2 layers) and ``medium`` (~25M: hidden 512, 8 layers),
 random init with the built-in byte tokenizer; the reward is the built-in task's exact answer

@@ -27,7 +27,11 @@ def compiled_errors(dtype: str, device: str) -> dict[str, float]:
     eager = load_causal_lm("builtin", dtype=dtype, device=device)
     fused = load_causal_lm("builtin", dtype=dtype, device=device)
     assert compile_pointwise_blocks(fused) > 0
+    torch._dynamo.reset()  # a fresh compile, so that the counter below means something
+    torch._dynamo.utils.counters.clear()
     e, f = _logprobs_and_grad(eager, device), _logprobs_and_grad(fused, device)
+    # the compiled blocks really ran (float32 could not tell them from eager otherwise)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0
     ref = _logprobs_and_grad(load_causal_lm("builtin", device=device), device)
 
     def rel(a, b):

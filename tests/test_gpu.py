@@ -59,8 +59,9 @@ def test_sampling_on_cuda_is_seeded_and_scores_itself(tok, dtype):
                                    batch["loss_mask"].cuda()).float().cpu()
     sampled = a.logprobs[a.completion_mask.bool()]
     recomputed = full[batch["loss_mask"][:, 1:].bool()]
-    tol = 1e-4 if dtype == "float32" else 0.1
-    assert (sampled - recomputed).abs().mean().item() < tol
+    mean_tol, max_tol = (1e-4, 1e-3) if dtype == "float32" else (0.1, 1.0)
+    assert (sampled - recomputed).abs().mean().item() < mean_tol
+    assert (sampled - recomputed).abs().max().item() < max_tol
 
 
 @pytest.mark.parametrize("packed", [True, False])
@@ -120,3 +121,4 @@ def test_compiled_blocks_match_eager_on_cuda(dtype):
     else:
         assert err["lp_compiled_vs_fp32"] <= 3 * err["lp_eager_vs_fp32"] + 1e-3
         assert err["g_compiled_vs_fp32"] <= 3 * err["g_eager_vs_fp32"] + 1e-2
+        assert err["g_vs_eager"] > 0  # its own rounding: the compiled path really ran

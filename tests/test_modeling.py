@@ -305,9 +305,12 @@ def test_compiled_pointwise_blocks_match_eager(tiny_model_dir, tmp_path):
         lp.sum().backward()
         return lp.detach(), [p.grad.clone() for p in model.parameters()]
 
+    torch._dynamo.reset()  # compile afresh: the counter below then shows the blocks ran compiled
+    torch._dynamo.utils.counters.clear()
     for layout in ("full", "shared"):
         lp_e, g_e = run(eager, layout)
         lp_f, g_f = run(fused, layout)
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0
         torch.testing.assert_close(lp_f, lp_e, rtol=1e-5, atol=1e-6)
         for a, b in zip(g_f, g_e, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

@@ -89,6 +89,10 @@ def compile_unsupported(device: torch.device) -> str | None:
     if device.type == "cpu":
         if not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
             return "no C++ compiler on PATH (torch.compile builds its CPU kernels with one)"
+        try:  # a compiler alone is not enough (Python headers, OpenMP): build one kernel now
+            torch.compile(lambda x: (x * 2).sin(), dynamic=False)(torch.ones(4))
+        except Exception as e:  # any build failure, reported instead of failing mid-run
+            return f"a trial torch.compile failed on this machine: {e}"
         return None
     if device.type == "cuda":
         return None if importlib.util.find_spec("triton") else "triton is not installed"

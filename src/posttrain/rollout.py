@@ -199,17 +199,15 @@ class LeanLlamaDecoder:
         self.col = self.start = Lp  # next cache column (prompts are left-padded to Lp)
         self.rows = N
         # per row: the additive attention bias over every cache column, already repeated per
-        # head (left padding -inf, all else 0), and the rotary rows of each decode step
-        # (row r's step t sits at position pos[r] + t); a step only slices them
+        # head (left padding -inf, all else 0), built once; a step only slices it
         dtype = self.k.dtype
         bias = torch.zeros(N, max_len, dtype=dtype, device=k0.device)
         bias[:, :Lp].masked_fill_(mask == 0, float("-inf"))
         self.bias = bias.repeat_interleave(self.nh, dim=0)[:, None]  # (N·nh, 1, max_len)
         positions = torch.arange(max_len, device=k0.device)[None]
         cos, sin = base.rotary_emb(k0, position_ids=positions)  # (1, max_len, hd)
-        steps = (pos[:, None] + torch.arange(max_len - Lp, device=k0.device)).clamp_max(
-            max_len - 1)
-        self.cos, self.sin = cos[0][steps], sin[0][steps]  # (N, T, hd)
+        self.cos, self.sin = cos[0], sin[0]
+        self.pos = pos  # (N,) position of each row's first decode step
 
     def select(self, rows: torch.Tensor) -> None:
         n, c = len(rows), self.col  # only the columns written so far are worth moving
@@ -217,7 +215,7 @@ class LeanLlamaDecoder:
         self.v[:, :n, :, :c] = self.v[:, rows, :, :c]
         heads = (rows[:, None] * self.nh + torch.arange(self.nh, device=rows.device)).flatten()
         self.bias = self.bias[heads]
-        self.cos, self.sin = self.cos[rows], self.sin[rows]
+        self.pos = self.pos[rows]
         self.rows = n
 
     def _rope(self, x, cos, sin):  # x (R, heads, hd); cos/sin (R, 1, hd)
@@ -229,8 +227,8 @@ class LeanLlamaDecoder:
         F, R, c = self.F, self.rows, self.col
         nh, nkv, hd = self.nh, self.nkv, self.hd
         h = self.embed(tok)  # (R, H)
-        t = c - self.start
-        cos, sin = self.cos[:, t, None], self.sin[:, t, None]  # (R, 1, hd)
+        at = self.pos + (c - self.start)
+        cos, sin = self.cos[at][:, None], self.sin[at][:, None]  # (R, 1, hd)
         bias = self.bias[:, :, :c + 1]  # (R·nh, 1, c+1)
         for i, (n1, wqkv, bqkv, o_proj, n2, wgu, down, scaling) in enumerate(self.layers):
             qkv = F.linear(n1(h), wqkv, bqkv).view(R, nh + 2 * nkv, hd)
@@ -313,7 +311,7 @@ def generate(model, tokenizer, prompts: list[str], n: int = 1,
             done[rows] = True
             end[rows] = t
             keep = (~finished).nonzero().squeeze(-1)
-            if len(keep) == 0:
+            if len(keep) == 0 or t == T - 1:
                 break
             decoder.select(keep)
             active = keep if active is None else active[keep]
