@@ -283,3 +283,14 @@ def test_compile_option(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(base, "compile_unsupported", lambda device: "no C++ compiler on PATH")
     with pytest.raises(ConfigError, match="compile=true: no C\\+\\+ compiler"):
         RLTrainer(_cfg(tiny_model_dir, tmp_path / "run2", "grpo", compile=True))
+
+
+def test_fresh_run_moves_earlier_metrics_aside(tiny_model_dir, tmp_path, rl_files):
+    """A second fresh run into the same output_dir starts a new metrics.jsonl; the first
+    run's rows move to metrics.prev-1.jsonl instead of mixing with the new ones."""
+    for _ in range(2):
+        run_rl(_cfg(tiny_model_dir, tmp_path, "grpo", max_steps=1))
+    new = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    old = (tmp_path / "metrics.prev-1.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in new] == [json.loads(x)["step"] for x in old]
+    assert [json.loads(x)["step"] for x in new].count(0) == 1

@@ -73,9 +73,19 @@ def load_optimizer(opt: torch.optim.Optimizer, path: Path) -> None:
 
 def start_run(cfg, output_dir: Path) -> MetricsWriter:
     """What every training run does first: seed, create ``output_dir``, write the resolved
-    ``config.yaml``, open the metrics writer."""
+    ``config.yaml``, open the metrics writer. A resumed run appends to ``metrics.jsonl``; a
+    fresh run into a directory that already has one moves it aside to
+    ``metrics.prev-<n>.jsonl`` (nothing is lost, and the two runs' rows never mix)."""
     seed_everything(cfg.seed)
     output_dir.mkdir(parents=True, exist_ok=True)
+    metrics = output_dir / "metrics.jsonl"
+    if not getattr(cfg, "resume_from", None) and metrics.exists() and metrics.stat().st_size:
+        n = 1
+        while (output_dir / f"metrics.prev-{n}.jsonl").exists():
+            n += 1
+        metrics.rename(output_dir / f"metrics.prev-{n}.jsonl")
+        print(f"{metrics} held an earlier run's metrics: moved to metrics.prev-{n}.jsonl",
+              flush=True)
     config_mod.dump(cfg, output_dir / "config.yaml")
     return MetricsWriter(output_dir, cfg.tensorboard)
 
