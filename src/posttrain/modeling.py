@@ -248,6 +248,13 @@ def shared_prompt_hidden(model: PreTrainedModel, prompt_ids: torch.Tensor,
 
 PACKABLE_ATTENTION = ("sdpa", "eager")
 
+# When the prompts cannot go into one packed call (the attention takes no 4-D mask, or the
+# packed rows would be too long), sharing them costs a second forward call, which below this
+# size costs more than the prompt tokens it saves (DPO speed-up over TRL measured on 2 CPU
+# cores, two-call shared vs full sequences: 0.87x vs 1.07x at 0.5M parameters, 1.31x vs
+# 1.10x at 25M). The trainers' automatic share_prompt reads it.
+SHARE_PROMPT_MIN_PARAMS = 2_000_000
+
 
 def packs_shared_prompts(model: PreTrainedModel) -> bool:
     """Whether the model's attention takes the custom 4-D mask of the packed layout."""

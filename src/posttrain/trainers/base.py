@@ -50,6 +50,13 @@ def lr_lambda(schedule: str, warmup: int, total: int):
     return fn
 
 
+def adamw(params, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """The optimiser of every trainer. The fused kernel (one launch for all parameters) also
+    exists on CPU; it matters for small models, whose step is dominated by per-tensor
+    overhead."""
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
+
+
 def save_optimizer(opt: torch.optim.Optimizer, path: Path) -> None:
     """``path.safetensors`` (per-parameter state tensors) and ``path.json`` (hyper-parameter
     groups): an optimiser state without pickle."""
@@ -148,7 +155,6 @@ class Trainer:
         self.eval_examples = eval_examples
         self.device = next(model.parameters()).device
         self.output_dir = Path(cfg.output_dir or f"runs/{self.command}")
-        compile_models(cfg, [model], self.device)
 
     # --- what a subclass provides ------------------------------------------------------------
     def collate(self, examples: list) -> dict:
@@ -207,10 +213,10 @@ class Trainer:
         cfg = self.cfg
         writer = start_run(cfg, self.output_dir)
         steps = self.total_steps()
+        # the model and, where the subclass keeps one for training, its frozen reference
+        compile_models(cfg, [self.model, getattr(self, "ref_model", None)], self.device)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        # The fused kernel (one launch for all parameters) also exists on CPU; it matters for
-        # small models, whose step is dominated by per-tensor overhead.
-        opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
+        opt = adamw(params, cfg.lr, cfg.weight_decay)
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lr_lambda(cfg.lr_schedule, int(cfg.warmup_ratio * steps), steps))
         stream = self._example_stream()

@@ -65,6 +65,7 @@ from posttrain.core.algorithms import (
 )
 from posttrain.evaluate import greedy_completions
 from posttrain.modeling import (
+    SHARE_PROMPT_MIN_PARAMS,
     completion_hidden,
     completion_logprobs,
     has_plain_head,
@@ -80,6 +81,7 @@ from posttrain.modeling import (
 from posttrain.rewards import parse_rewards, score
 from posttrain.rollout import Rollout, SamplingParams, concat, generate, select
 from posttrain.trainers.base import (
+    adamw,
     compile_models,
     load_optimizer,
     lr_lambda,
@@ -273,9 +275,6 @@ class Experience:
     dropped_groups: int
 
 
-# Below this size a step is bound by per-call overhead, and running the prompts in their own
-# forward call costs more than the prompt tokens it saves (as measured for DPO).
-SHARE_PROMPT_MIN_PARAMS = 2_000_000
 
 
 class TokenBatch:
@@ -576,12 +575,10 @@ class RLTrainer:
     def make_optimizers(self):
         """AdamW for the actor, and for the critic when there is one (else None)."""
         cfg = self.cfg
-        opt = torch.optim.AdamW(self.policy.parameters(), lr=cfg.lr,
-                                weight_decay=cfg.weight_decay, fused=True)
+        opt = adamw(self.policy.parameters(), cfg.lr, cfg.weight_decay)
         critic_opt = None
         if self.critic is not None:
-            critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic_lr,
-                                           weight_decay=cfg.weight_decay, fused=True)
+            critic_opt = adamw(self.critic.parameters(), cfg.critic_lr, cfg.weight_decay)
         return opt, critic_opt
 
     def _shape_scores(self, scores: torch.Tensor, ro: Rollout, valid: torch.Tensor
