@@ -422,3 +422,21 @@ def test_lean_decoder_equals_model_forward_gqa_and_bias(tiny_model_dir, arch):
                     proj.bias.normal_(0, 0.5)
     model.eval()
     _assert_lean_equals_hf(model, tok)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_compaction_keeps_live_rows_and_moves_only_finished_slots(seed):
+    """The cache order after rows finish: exactly the live rows, each once; a live row in
+    the first ``n`` slots stays in its slot; only as many slots change as finished there."""
+    from posttrain.rollout import _compaction
+
+    g = torch.Generator().manual_seed(seed)
+    R = int(torch.randint(1, 40, (1,), generator=g))
+    live = torch.rand(R, generator=g) < float(torch.rand(1, generator=g))
+    rows = _compaction(live)
+    n = int(live.sum())
+    assert sorted(rows.tolist()) == live.nonzero().squeeze(-1).tolist()
+    head = torch.arange(n)
+    stays = live[:n]
+    assert torch.equal(rows[stays], head[stays])
+    assert int((rows != head).sum()) == int((~stays).sum())

@@ -211,11 +211,19 @@ class LeanLlamaDecoder:
 
     def select(self, rows: torch.Tensor) -> None:
         n, c = len(rows), self.col  # only the columns written so far are worth moving
-        self.k[:, :n, :, :c] = self.k[:, rows, :, :c]
-        self.v[:, :n, :, :c] = self.v[:, rows, :, :c]
-        heads = (rows[:, None] * self.nh + torch.arange(self.nh, device=rows.device)).flatten()
-        self.bias = self.bias[heads]
-        self.pos = self.pos[rows]
+        # only the slots whose row changes are copied: with :func:`_compaction` those are the
+        # finished rows' slots, refilled from the tail, not the whole cache
+        dst = (rows != torch.arange(n, device=rows.device)).nonzero().squeeze(-1)
+        if len(dst):
+            src = rows[dst]
+            self.k[:, dst, :, :c] = self.k[:, src, :, :c]
+            self.v[:, dst, :, :c] = self.v[:, src, :, :c]
+            self.bias.view(-1, self.nh, self.bias.shape[-1])[dst] = \
+                self.bias.view(-1, self.nh, self.bias.shape[-1])[src]
+            self.pos = self.pos.clone()
+            self.pos[dst] = self.pos[src]
+        self.bias = self.bias[:n * self.nh]
+        self.pos = self.pos[:n]
         self.rows = n
 
     def _rope(self, x, cos, sin):  # x (R, heads, hd); cos/sin (R, 1, hd)
@@ -249,6 +257,19 @@ class LeanLlamaDecoder:
             h = h + down(F.silu(g) * u)
         self.col = c + 1
         return self.head(self.norm(h))
+
+
+def _compaction(live: torch.Tensor) -> torch.Tensor:
+    """The rows to keep, in their new cache order, when only ``live`` (R,) rows go on: slot
+    ``p`` of the first ``n = live.sum()`` keeps its row when that row is live, and a finished
+    row's slot takes a live row from beyond ``n``. Only as many cache rows move as rows
+    finished (keeping the live rows in order would move every row after the first one
+    that finished, each step a row finishes)."""
+    n = int(live.sum())
+    rows = torch.arange(n, device=live.device)
+    holes = (~live[:n]).nonzero().squeeze(-1)
+    rows[holes] = live[n:].nonzero().squeeze(-1) + n
+    return rows
 
 
 @torch.no_grad()
@@ -310,7 +331,7 @@ def generate(model, tokenizer, prompts: list[str], n: int = 1,
             rows = finished.nonzero().squeeze(-1) if active is None else active[finished]
             done[rows] = True
             end[rows] = t
-            keep = (~finished).nonzero().squeeze(-1)
+            keep = _compaction(~finished)
             if len(keep) == 0 or t == T - 1:
                 break
             decoder.select(keep)

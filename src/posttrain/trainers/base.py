@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from posttrain import config as config_mod
 from posttrain.config import ConfigError
 from posttrain.modeling import compile_pointwise_blocks, compile_unsupported, save_model
+from posttrain.runtime import keep_freed_memory
 
 log = logging.getLogger(__name__)
 console = Console(stderr=True)
@@ -211,6 +212,8 @@ class Trainer:
 
     def train(self) -> dict[str, float]:
         cfg = self.cfg
+        if cfg.keep_freed_memory:
+            keep_freed_memory()
         writer = start_run(cfg, self.output_dir)
         steps = self.total_steps()
         # the model and, where the subclass keeps one for training, its frozen reference
