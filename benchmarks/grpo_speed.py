@@ -10,7 +10,10 @@ one-off compile falls in the first step, which the median skips) and TRL unchang
 ``compiled``: ``identical`` with both compiled: posttrain ``compile=true``, TRL
 ``torch_compile=True`` (its Trainer compiles the policy and reference models for the
 training and reference forwards; generation runs uncompiled, as posttrain's lean decoder
-does; its first step holds the compile).
+does; its first step holds the compile). ``identical_malloc``: ``identical`` with TRL's
+process given the glibc setting posttrain's trainers apply by default
+(``posttrain.runtime.keep_freed_memory``), to show how much of the difference that
+setting makes.
 
 Models: ``small`` (~0.5M: hidden 128, 2 layers) and ``medium`` (~25M: hidden 512, 8 layers),
 random init with the built-in byte tokenizer; the reward is the built-in task's exact answer
@@ -20,7 +23,7 @@ median step (skipping ``--warmup`` steps), the median over repeats, their ratio,
 run's peak RSS (``wait4``).
 
 Usage: python benchmarks/grpo_speed.py [--sizes small medium] [--repeats 3] [--steps 8]
-       [--settings identical defaults identical_compiled compiled]
+       [--settings identical defaults identical_compiled compiled identical_malloc]
 Needs the bench extra: pip install -e '.[bench]'
 """
 
@@ -72,6 +75,10 @@ def _run_trl(model_dir, steps, setting, out) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from posttrain.builtin import task
+    from posttrain.runtime import keep_freed_memory
+
+    if setting == "identical_malloc":
+        keep_freed_memory()
 
     times: list[float] = []
 
