@@ -146,7 +146,11 @@ def test_save_model_reloads_with_plain_transformers(lm, tok, tmp_path):
     files = {p.name for p in (tmp_path / "out").iterdir()}
     assert "model.safetensors" in files
     assert not any(f.endswith((".bin", ".pt", ".pth", ".pkl")) for f in files)
-    model2 = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert "eager" not in (tmp_path / "out" / "config.json").read_text()  # a runtime choice
+    # ``lm`` runs short inputs with eager attention (eager_attention_for_short_inputs), so the
+    # bit-exact comparison reloads with the same implementation
+    model2 = AutoModelForCausalLM.from_pretrained(tmp_path / "out",
+                                                  attn_implementation="eager").eval()
     tok2 = AutoTokenizer.from_pretrained(tmp_path / "out")
     _, _, batch = random_batch(5, [(3, 4), (2, 2)])
     with torch.no_grad():
@@ -341,3 +345,70 @@ def test_compiled_pointwise_blocks_bfloat16_as_close_to_float32_as_eager():
     assert err["lp_compiled_vs_fp32"] <= 3 * err["lp_eager_vs_fp32"] + 1e-3
     assert err["g_compiled_vs_fp32"] <= 3 * err["g_eager_vs_fp32"] + 1e-2
     assert err["g_vs_eager"] > 0  # the compiled path really ran: its rounding differs
+
+
+def _attention_used(model, **inputs) -> tuple[list[str], torch.Tensor]:
+    """Run ``model(**inputs)`` and record the attention implementation each layer ran."""
+    seen: list[str] = []
+    hooks = [layer.self_attn.register_forward_pre_hook(
+        lambda m, a: seen.append(m.config._attn_implementation))
+        for layer in model.base_model.layers]
+    try:
+        out = model(**inputs).logits
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen, out
+
+
+@pytest.mark.parametrize("length", [30, 200])
+def test_short_inputs_run_eager_attention_as_exact_as_sdpa(length):
+    """On the CPU a loaded model runs eager attention up to EAGER_ATTENTION_MAX_KEYS keys and
+    SDPA above. Against a float64 model, its values and every gradient are as close as a
+    plain float32 SDPA model's (the two differ from each other by summation order only)."""
+    from posttrain.modeling import EAGER_ATTENTION_MAX_KEYS, builtin_model_dir
+
+    ours = load_causal_lm("builtin", device="cpu")
+    path = builtin_model_dir()
+    plain = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa")
+    exact = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").double()
+    torch.manual_seed(0)
+    ids = torch.randint(3, 200, (3, length))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # left padding in one row
+    keep = mask.bool()
+    seen, a = _attention_used(ours, input_ids=ids, attention_mask=mask)
+    want = "eager" if length <= EAGER_ATTENTION_MAX_KEYS else "sdpa"
+    assert seen == [want] * len(ours.base_model.layers)
+    b = plain(input_ids=ids, attention_mask=mask).logits
+    c = exact(input_ids=ids, attention_mask=mask).logits
+    for out in (a, b, c):
+        out[keep].square().mean().backward()
+
+    def err(x, y):
+        return float((x.double() - y).norm() / y.norm())
+
+    pairs = [("logits", a[keep], b[keep], c[keep])] + [
+        (name, p.grad, q.grad, r.grad) for (name, p), q, r in
+        zip(ours.named_parameters(), plain.parameters(), exact.parameters(), strict=True)]
+    for name, x, y, z in pairs:
+        assert err(x, z) <= max(2 * err(y, z), 1e-6), name
+        assert err(x, z) < 1e-4, name
+
+
+def test_key_length_counts_cached_positions():
+    """With a KV cache the key length is cached + new positions: 100 cached + 40 new is past
+    the eager limit, 100 + 20 is not."""
+    from transformers import DynamicCache
+
+    from posttrain.modeling import cache_kwarg
+
+    model = load_causal_lm("builtin", device="cpu").eval()
+    kw = cache_kwarg(model)
+    for new, want in ((40, "sdpa"), (20, "eager")):
+        cache = DynamicCache()
+        with torch.no_grad():
+            model(input_ids=torch.randint(3, 200, (2, 100)), use_cache=True, **{kw: cache})
+            seen, _ = _attention_used(model, input_ids=torch.randint(3, 200, (2, new)),
+                                      use_cache=True, **{kw: cache})
+        assert set(seen) == {want}

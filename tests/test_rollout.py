@@ -440,3 +440,38 @@ def test_compaction_keeps_live_rows_and_moves_only_finished_slots(seed):
     stays = live[:n]
     assert torch.equal(rows[stays], head[stays])
     assert int((rows != head).sum()) == int((~stays).sum())
+
+
+def test_rows_finishing_at_many_steps_keep_teacher_forced_logprobs(tiny_model_dir,
+                                                                   monkeypatch):
+    """A random model whose eos logit is scaled up, prompts of different lengths: rows end at
+    many different steps, the cache is compacted several times with rows moving slots
+    (counted), and every sampled token's log-prob still equals a full forward's."""
+    from posttrain.rollout import LeanLlamaDecoder
+
+    model = load_causal_lm(tiny_model_dir, device="cpu").eval()
+    tok = load_tokenizer(tiny_model_dir)
+    with torch.no_grad():
+        model.lm_head.weight[tok.eos_token_id] *= 20
+    moved: list[int] = []
+    select = LeanLlamaDecoder.select
+
+    def counting(self, rows):
+        moved.append(int((rows != torch.arange(len(rows))).sum()))
+        return select(self, rows)
+
+    monkeypatch.setattr(LeanLlamaDecoder, "select", counting)
+    r = generate(model, tok, TINY_PROMPTS, n=8, params=SamplingParams(temperature=1.0,
+                                                                      max_new_tokens=12),
+                 generator=torch.Generator().manual_seed(0), engine="lean")
+    assert sum(m > 0 for m in moved) >= 3
+    assert len(set(r.lengths.tolist())) >= 4
+    check_padding(r, tok.pad_token_id)
+    batch = pad_sequences(r.prompt_ids, completions(r), pad_id=tok.pad_token_id)
+    with torch.no_grad():
+        ref = completion_logprobs(model, batch["input_ids"], batch["attention_mask"],
+                                  batch["loss_mask"])
+    target = batch["loss_mask"][:, 1:].bool()
+    for i in range(len(ref)):
+        got = r.logprobs[i][r.completion_mask[i].bool()]
+        torch.testing.assert_close(got, ref[i][target[i]].float(), atol=1e-4, rtol=0)

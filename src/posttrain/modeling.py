@@ -67,7 +67,60 @@ def load_causal_lm(name: str, dtype: str = "float32", device: str = "auto",
                    trust_remote_code: bool = False) -> PreTrainedModel:
     model = AutoModelForCausalLM.from_pretrained(
         resolve(name), dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
-    return model.to(pick_device(device))
+    model = model.to(pick_device(device))
+    eager_attention_for_short_inputs(model)
+    return model
+
+
+# On the CPU, for a short key length the model's eager attention (two matmuls and a softmax)
+# is faster than SDPA's CPU kernel; for long ones SDPA wins and eager's L×L scores cost
+# memory. Forward + backward, causal, 2 threads: 2.6 against 8.8 ms at 38 keys (64 rows × 4
+# heads of 32), 23 against 30 ms at 64 keys, 34 against 38 ms at 128 (8 heads of 64), and
+# 118 against 56 ms at 256. A GRPO step of the 0.5M benchmark model: 4.8% faster.
+EAGER_ATTENTION_MAX_KEYS = 128
+
+
+def attention_for_keys(model: PreTrainedModel, keys: int) -> str:
+    """Set (and return) the attention implementation a forward over ``keys`` key positions
+    uses on a model prepared by :func:`eager_attention_for_short_inputs`: ``eager`` up to
+    :data:`EAGER_ATTENTION_MAX_KEYS`, else ``sdpa``. Other models are left as they are."""
+    if not getattr(model, "_posttrain_short_eager", False):
+        return model.config._attn_implementation
+    impl = "eager" if keys <= EAGER_ATTENTION_MAX_KEYS else "sdpa"
+    if model.config._attn_implementation != impl:
+        model.set_attn_implementation(impl)
+    return impl
+
+
+def eager_attention_for_short_inputs(model: PreTrainedModel) -> bool:
+    """On the CPU, have a model that uses SDPA attention switch to its eager attention for
+    every forward call whose key length (cached positions + new ones) is at most
+    :data:`EAGER_ATTENTION_MAX_KEYS`, and back for longer ones: a forward pre-hook on its
+    base model decides per call. The two compute the same attention (equal to float
+    rounding, tested). Returns whether the hook was installed (CPU, SDPA, a ``transformers``
+    that can switch)."""
+    base = getattr(model, "base_model", None)
+    if (next(model.parameters()).device.type != "cpu" or base is None
+            or getattr(model.config, "_attn_implementation", None) != "sdpa"
+            or not hasattr(model, "set_attn_implementation")
+            or getattr(model, "_posttrain_short_eager", False)):
+        return False
+    kwarg = cache_kwarg(base)
+
+    def pick(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+        if ids is None:
+            return
+        cache = kwargs.get(kwarg, kwargs.get("past_key_values"))
+        past = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
+        keys = past + ids.shape[1] if ids.device.type == "cpu" else None  # moved off the CPU
+        attention_for_keys(model, EAGER_ATTENTION_MAX_KEYS + 1 if keys is None else keys)
+
+    model._posttrain_short_eager = True
+    base.register_forward_pre_hook(pick, with_kwargs=True)
+    return True
 
 
 def load_reward_model(name: str, tokenizer: PreTrainedTokenizerBase, dtype: str = "float32",
@@ -78,7 +131,9 @@ def load_reward_model(name: str, tokenizer: PreTrainedTokenizerBase, dtype: str 
         resolve(name), num_labels=1, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
-    return model.to(pick_device(device))
+    model = model.to(pick_device(device))
+    eager_attention_for_short_inputs(model)
+    return model
 
 
 def compile_unsupported(device: torch.device) -> str | None:
@@ -328,7 +383,9 @@ def _packed_hidden(model, prompt_ids, prompt_mask, completion_ids, target, rows)
                | ((seg.unsqueeze(1) == 0) & (seg.unsqueeze(2) >= 0))) & causal  # (B, q, k)
     mask = visible.unsqueeze(1)  # (B, 1, L, L)
     dtype = model.get_input_embeddings().weight.dtype
-    if model.config._attn_implementation == "eager":
+    # the mask's form follows the implementation this call will run (set here for the
+    # length, as the base model's pre-hook will set it again)
+    if attention_for_keys(model, L) == "eager":
         mask = torch.zeros(mask.shape, dtype=dtype, device=dev).masked_fill_(
             ~mask, torch.finfo(dtype).min)
     hidden = model.base_model(input_ids=ids, attention_mask=mask, position_ids=pos,
