@@ -412,3 +412,13 @@ def test_key_length_counts_cached_positions():
             seen, _ = _attention_used(model, input_ids=torch.randint(3, 200, (2, new)),
                                       use_cache=True, **{kw: cache})
         assert set(seen) == {want}
+
+
+def test_a_model_moved_off_the_cpu_goes_back_to_sdpa():
+    from posttrain.modeling import attention_for_keys
+
+    model = load_causal_lm("builtin", device="cpu")
+    assert attention_for_keys(model, 10) == "eager"
+    model.to("meta")  # stands in for a GPU: any device but the CPU
+    assert attention_for_keys(model, 10) == "sdpa"
+    assert model.config._attn_implementation == "sdpa"

@@ -83,10 +83,12 @@ EAGER_ATTENTION_MAX_KEYS = 128
 def attention_for_keys(model: PreTrainedModel, keys: int) -> str:
     """Set (and return) the attention implementation a forward over ``keys`` key positions
     uses on a model prepared by :func:`eager_attention_for_short_inputs`: ``eager`` up to
-    :data:`EAGER_ATTENTION_MAX_KEYS`, else ``sdpa``. Other models are left as they are."""
+    :data:`EAGER_ATTENTION_MAX_KEYS` while the model is on the CPU, else ``sdpa``. Other
+    models are left as they are."""
     if not getattr(model, "_posttrain_short_eager", False):
         return model.config._attn_implementation
-    impl = "eager" if keys <= EAGER_ATTENTION_MAX_KEYS else "sdpa"
+    on_cpu = next(model.parameters()).device.type == "cpu"  # it may have moved since
+    impl = "eager" if on_cpu and keys <= EAGER_ATTENTION_MAX_KEYS else "sdpa"
     if model.config._attn_implementation != impl:
         model.set_attn_implementation(impl)
     return impl
@@ -115,8 +117,7 @@ def eager_attention_for_short_inputs(model: PreTrainedModel) -> bool:
             return
         cache = kwargs.get(kwarg, kwargs.get("past_key_values"))
         past = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
-        keys = past + ids.shape[1] if ids.device.type == "cpu" else None  # moved off the CPU
-        attention_for_keys(model, EAGER_ATTENTION_MAX_KEYS + 1 if keys is None else keys)
+        attention_for_keys(model, past + ids.shape[1])
 
     model._posttrain_short_eager = True
     base.register_forward_pre_hook(pick, with_kwargs=True)
