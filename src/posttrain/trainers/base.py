@@ -212,8 +212,8 @@ class Trainer:
 
     def train(self) -> dict[str, float]:
         cfg = self.cfg
-        if cfg.keep_freed_memory:
-            keep_freed_memory()
+        if cfg.keep_freed_memory and not keep_freed_memory():
+            log.info("keep_freed_memory: not available here (needs Linux with glibc)")
         writer = start_run(cfg, self.output_dir)
         steps = self.total_steps()
         # the model and, where the subclass keeps one for training, its frozen reference

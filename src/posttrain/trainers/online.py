@@ -417,8 +417,8 @@ def accumulate_value_gradient(critic, algo: Algorithm, tokens: TokenBatch, mask:
 class RLTrainer:
     def __init__(self, cfg: RLConfig):
         self.cfg = cfg
-        if cfg.keep_freed_memory:
-            keep_freed_memory()
+        if cfg.keep_freed_memory and not keep_freed_memory():
+            log.info("keep_freed_memory: not available here (needs Linux with glibc)")
         self.algo = cfg.algorithm()
         self.out_dir = Path(cfg.output_dir or f"runs/{cfg.algo}")
         self.tok = load_tokenizer(cfg.model, cfg.trust_remote_code)
