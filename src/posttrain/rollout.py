@@ -218,8 +218,8 @@ class LeanLlamaDecoder:
             src = rows[dst]
             self.k[:, dst, :, :c] = self.k[:, src, :, :c]
             self.v[:, dst, :, :c] = self.v[:, src, :, :c]
-            self.bias.view(-1, self.nh, self.bias.shape[-1])[dst] = \
-                self.bias.view(-1, self.nh, self.bias.shape[-1])[src]
+            per_row = self.bias.view(-1, self.nh, self.bias.shape[-1])  # (rows, nh, max_len)
+            per_row[dst] = per_row[src]
             self.pos = self.pos.clone()
             self.pos[dst] = self.pos[src]
         self.bias = self.bias[:n * self.nh]

@@ -80,10 +80,13 @@ def load_optimizer(opt: torch.optim.Optimizer, path: Path) -> None:
 
 
 def start_run(cfg, output_dir: Path) -> MetricsWriter:
-    """What every training run does first: seed, create ``output_dir``, write the resolved
-    ``config.yaml``, open the metrics writer. A resumed run appends to ``metrics.jsonl``; a
-    fresh run into a directory that already has one moves it aside to
-    ``metrics.prev-<n>.jsonl`` (nothing is lost, and the two runs' rows never mix)."""
+    """What every training run does first: apply ``keep_freed_memory``, seed, create
+    ``output_dir``, write the resolved ``config.yaml``, open the metrics writer. A resumed
+    run appends to ``metrics.jsonl``; a fresh run into a directory that already has one
+    moves it aside to ``metrics.prev-<n>.jsonl`` (nothing is lost, and the two runs' rows
+    never mix)."""
+    if cfg.keep_freed_memory and not keep_freed_memory():
+        log.info("keep_freed_memory: not available here (needs Linux with glibc)")
     seed_everything(cfg.seed)
     output_dir.mkdir(parents=True, exist_ok=True)
     metrics = output_dir / "metrics.jsonl"
@@ -212,8 +215,6 @@ class Trainer:
 
     def train(self) -> dict[str, float]:
         cfg = self.cfg
-        if cfg.keep_freed_memory and not keep_freed_memory():
-            log.info("keep_freed_memory: not available here (needs Linux with glibc)")
         writer = start_run(cfg, self.output_dir)
         steps = self.total_steps()
         # the model and, where the subclass keeps one for training, its frozen reference

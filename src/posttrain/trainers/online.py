@@ -80,7 +80,6 @@ from posttrain.modeling import (
 )
 from posttrain.rewards import parse_rewards, score
 from posttrain.rollout import Rollout, SamplingParams, concat, generate, select
-from posttrain.runtime import keep_freed_memory
 from posttrain.trainers.base import (
     adamw,
     compile_models,
@@ -417,8 +416,6 @@ def accumulate_value_gradient(critic, algo: Algorithm, tokens: TokenBatch, mask:
 class RLTrainer:
     def __init__(self, cfg: RLConfig):
         self.cfg = cfg
-        if cfg.keep_freed_memory and not keep_freed_memory():
-            log.info("keep_freed_memory: not available here (needs Linux with glibc)")
         self.algo = cfg.algorithm()
         self.out_dir = Path(cfg.output_dir or f"runs/{cfg.algo}")
         self.tok = load_tokenizer(cfg.model, cfg.trust_remote_code)
