@@ -8,6 +8,7 @@ loads.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -243,11 +244,65 @@ def cache_kwarg(module: torch.nn.Module) -> str:
     return _cache_kwarg_for(type(module))
 
 
+class _ReplayedLinear(torch.autograd.Function):
+    """``y = x @ W.T + b`` where ``y`` is already known: the forward returns it, the backward
+    is a linear layer's (input, weight and bias gradients from the saved ``x`` and ``W``)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, y):
+        ctx.save_for_backward(x, weight)
+        ctx.with_bias = bias is not None
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, weight = ctx.saved_tensors
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = gy @ weight
+        flat = gy.reshape(-1, gy.shape[-1])
+        if ctx.needs_input_grad[1]:
+            gw = flat.T @ x.reshape(-1, x.shape[-1])
+        if ctx.with_bias and ctx.needs_input_grad[2]:
+            gb = flat.sum(0)
+        return gx, gw, gb, None
+
+
+@contextlib.contextmanager
+def replay_linears(outputs: dict[torch.nn.Module, torch.Tensor] | None):
+    """Within the block, each ``nn.Linear`` in ``outputs`` returns its given output instead of
+    computing it, with the gradients of the real layer: a forward whose linear layers were
+    already computed elsewhere (the sampler's, see ``rollout.DecodeActivations``) costs only
+    its other ops. The caller vouches that the outputs are what the layers would compute on
+    this call's inputs (same weights, same tokens); a call whose input shape does not match
+    its output's raises. ``None`` changes nothing."""
+    if not outputs:
+        yield
+        return
+
+    def replayed(module, y):
+        def forward(x):
+            if x.shape[:-1] != y.shape[:-1]:
+                raise RuntimeError(f"replayed linear layer got input {tuple(x.shape)} for "
+                                   f"saved output {tuple(y.shape)}")
+            return _ReplayedLinear.apply(x, module.weight, module.bias, y)
+        return forward
+
+    for module, y in outputs.items():
+        module.forward = replayed(module, y)
+    try:
+        yield
+    finally:
+        for module in outputs:
+            del module.forward
+
+
 def shared_prompt_logprobs(model: PreTrainedModel, prompt_ids: torch.Tensor,
                            prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
                            completion_mask: torch.Tensor,
                            prompt_index: torch.Tensor | None = None,
-                           with_entropy: bool = False, packed: bool | None = None):
+                           with_entropy: bool = False, packed: bool | None = None,
+                           replay: dict[torch.nn.Module, torch.Tensor] | None = None):
     """Log-probabilities of ``k`` completions per prompt with the prompt run once.
 
     ``prompt_ids``/``prompt_mask`` are ``(B, Lp)``, *left*-padded; ``completion_ids``/
@@ -271,11 +326,14 @@ def shared_prompt_logprobs(model: PreTrainedModel, prompt_ids: torch.Tensor,
       a dense attention over the whole row (wasted on masked entries).
     - *two calls*: the prompts, then the completions over a KV cache of the prompts repeated
       to each completion. Attention is exact-sized, but each weight is used twice.
+
+    ``replay``: the linear layers' outputs for the completion call (:func:`replay_linears`),
+    which then takes the two-call path and skips those matmuls.
     """
     if not has_plain_head(model):
         raise ValueError("shared_prompt_logprobs needs logits = lm_head(hidden states)")
     hidden = shared_prompt_hidden(model, prompt_ids, prompt_mask, completion_ids,
-                                  completion_mask, prompt_index, packed)
+                                  completion_mask, prompt_index, packed, replay)
     logits = model.get_output_embeddings()(hidden)  # (N, V)
     target = completion_mask.bool()
     return _scatter_logprobs(logits, completion_ids[target], target, with_entropy)
@@ -285,7 +343,9 @@ def shared_prompt_hidden(model: PreTrainedModel, prompt_ids: torch.Tensor,
                          prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
                          completion_mask: torch.Tensor,
                          prompt_index: torch.Tensor | None = None,
-                         packed: bool | None = None) -> torch.Tensor:
+                         packed: bool | None = None,
+                         replay: dict[torch.nn.Module, torch.Tensor] | None = None
+                         ) -> torch.Tensor:
     """The hidden states behind :func:`shared_prompt_logprobs` (same arguments): the last
     hidden state predicting each completion token, ``(N, H)`` in row-major order of
     ``completion_mask``. Works for any model with a ``base_model`` (a critic's too)."""
@@ -293,13 +353,15 @@ def shared_prompt_hidden(model: PreTrainedModel, prompt_ids: torch.Tensor,
     k = completion_ids.shape[0] // B
     rows = (torch.arange(B, device=prompt_ids.device).repeat(k) if prompt_index is None
             else prompt_index)  # (kB,) prompt of each row
-    if packed is None:
+    if replay:
+        packed = False
+    elif packed is None:
         packed = packing_pays(model, prompt_mask, completion_mask, rows)
     target = completion_mask.bool()
     if packed:
         return _packed_hidden(model, prompt_ids, prompt_mask, completion_ids, target, rows)
     return _two_call_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                            rows)[target]
+                            rows, replay)[target]
 
 
 PACKABLE_ATTENTION = ("sdpa", "eager")
@@ -397,9 +459,11 @@ def _packed_hidden(model, prompt_ids, prompt_mask, completion_ids, target, rows)
     return hidden[cb, src]
 
 
-def _two_call_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask, rows):
+def _two_call_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask, rows,
+                     replay=None):
     """Hidden states predicting each completion position ``(R, Lc, H)``: the prompts run
-    once into a KV cache, which is repeated to each completion for a second call."""
+    once into a KV cache, which is repeated to each completion for a second call (its
+    linear layers replayed from ``replay`` when given)."""
     positions = (prompt_mask.cumsum(-1) - 1).clamp_min(0)
     cache = DynamicCache()
     kw = cache_kwarg(model.base_model)
@@ -409,10 +473,12 @@ def _two_call_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_
     cache.batch_select_indices(rows)
     Lc = completion_ids.shape[1]
     c_positions = positions[rows, -1:] + 1 + torch.arange(Lc, device=positions.device)
-    h_comp = model.base_model(input_ids=completion_ids,
-                              attention_mask=torch.cat([prompt_mask[rows], completion_mask], 1),
-                              position_ids=c_positions, use_cache=True,
-                              **{kw: cache}).last_hidden_state  # (kB, Lc, H)
+    with replay_linears(replay):
+        h_comp = model.base_model(
+            input_ids=completion_ids,
+            attention_mask=torch.cat([prompt_mask[rows], completion_mask], 1),
+            position_ids=c_positions, use_cache=True, **{kw: cache}).last_hidden_state
+    # h_comp: (kB, Lc, H)
     # token t of a completion is predicted from the hidden state before it
     return torch.cat([h_prompt[rows].unsqueeze(1), h_comp[:, :-1]], dim=1)
 

@@ -65,10 +65,75 @@ class Rollout:
     """(N,) index of the prompt each sample came from."""
     texts: list[str]
     """Decoded completions without special tokens (cut at a stop string)."""
+    activations: DecodeActivations | None = None
+    """The policy's linear-layer outputs at each completion position, saved while sampling
+    (``generate(..., capture=True)``, lean engine); None when not captured."""
 
     @property
     def lengths(self) -> torch.Tensor:
         return self.completion_mask.sum(-1)
+
+
+@dataclass
+class DecodeActivations:
+    """What the sampler's forward computed, kept so the first update after sampling need not
+    compute it again: for each decoder layer, the outputs of its linear layers at each
+    completion position, ``(N, Tc, features)`` per layer and kind — ``qkv`` (the q, k and v
+    projections side by side), ``o``, ``gu`` (gate and up side by side) and ``down``.
+
+    Column ``t`` holds what the model computed on completion token ``t`` (the position
+    that predicts token ``t + 1``). A row's last token, and its padding, were never fed to
+    the model: those columns are zero, and nothing a loss reads depends on them.
+    """
+
+    layers: list[dict[str, torch.Tensor]]
+    q: int
+    """Features of the q projection; k and v have ``(qkv - q) / 2`` each."""
+
+    def rows(self, rows: torch.Tensor) -> DecodeActivations:
+        """The samples ``rows``; a view when they are a contiguous ascending range (the
+        whole batch, say), else a copy."""
+        r = rows.tolist()
+        if r and r == list(range(r[0], r[0] + len(r))):
+            sl = slice(r[0], r[0] + len(r))
+            return DecodeActivations([{k: v[sl] for k, v in d.items()} for d in self.layers],
+                                     self.q)
+        return DecodeActivations([{k: v[rows] for k, v in d.items()} for d in self.layers],
+                                 self.q)
+
+    def linear_outputs(self, model, columns: int) -> dict[torch.nn.Module, torch.Tensor]:
+        """Each linear layer of ``model``'s decoder layers mapped to its saved output over
+        the first ``columns`` completion positions (see :func:`modeling.replay_linears`)."""
+        out: dict[torch.nn.Module, torch.Tensor] = {}
+        for layer, saved in zip(model.model.layers, self.layers, strict=True):
+            a, m = layer.self_attn, layer.mlp
+            qkv, gu = saved["qkv"][:, :columns], saved["gu"][:, :columns]
+            kv = (qkv.shape[-1] - self.q) // 2
+            inter = gu.shape[-1] // 2
+            out[a.q_proj] = qkv[..., :self.q]
+            out[a.k_proj] = qkv[..., self.q:self.q + kv]
+            out[a.v_proj] = qkv[..., self.q + kv:]
+            out[a.o_proj] = saved["o"][:, :columns]
+            out[m.gate_proj], out[m.up_proj] = gu[..., :inter], gu[..., inter:]
+            out[m.down_proj] = saved["down"][:, :columns]
+        return out
+
+
+def concat_activations(parts: list[DecodeActivations | None], T: int
+                       ) -> DecodeActivations | None:
+    """Several rollouts' activations as one, padded with zeros to ``T`` columns; None unless
+    every part has them."""
+    if not parts or any(p is None for p in parts):
+        return None
+    if len(parts) == 1 and all(v.shape[1] == T for d in parts[0].layers for v in d.values()):
+        return parts[0]
+
+    def pad(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(x, (0, 0, 0, T - x.shape[1]))
+
+    layers = [{k: torch.cat([pad(p.layers[i][k]) for p in parts]) for k in parts[0].layers[i]}
+              for i in range(len(parts[0].layers))]
+    return DecodeActivations(layers, parts[0].q)
 
 
 def _sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None
@@ -167,7 +232,7 @@ class LeanLlamaDecoder:
                 and getattr(cfg, "pretraining_tp", 1) == 1)
 
     def __init__(self, model, cache, n: int, max_len: int, mask: torch.Tensor,
-                 pos: torch.Tensor):
+                 pos: torch.Tensor, capture: bool = False):
         import torch.nn.functional as F
 
         self.F = F
@@ -208,6 +273,35 @@ class LeanLlamaDecoder:
         cos, sin = base.rotary_emb(k0, position_ids=positions)  # (1, max_len, hd)
         self.cos, self.sin = cos[0], sin[0]
         self.pos = pos  # (N,) position of each row's first decode step
+        # with ``capture``, every linear layer's output is also written to its sample's row
+        # and completion column (:class:`DecodeActivations`); ``slots`` maps cache slots to
+        # samples once rows have moved
+        self.slots: torch.Tensor | None = None
+        self.saved: list[dict[str, torch.Tensor]] | None = None
+        if capture:
+            T = max_len - Lp
+            H = cfg.hidden_size
+
+            def buffer(features: int) -> torch.Tensor:
+                return k0.new_zeros(N, T, features)
+
+            self.saved = [{"qkv": buffer(wqkv.shape[0]), "o": buffer(H),
+                           "gu": buffer(wgu.shape[0]), "down": buffer(H)}
+                          for _, wqkv, _, _, _, wgu, _, _ in self.layers]
+
+    def activations(self, columns: int) -> DecodeActivations | None:
+        """The captured outputs over the first ``columns`` completion positions."""
+        if self.saved is None:
+            return None
+        return DecodeActivations([{k: v[:, :columns] for k, v in d.items()}
+                                  for d in self.saved], self.nh * self.hd)
+
+    def _save(self, i: int, kind: str, y: torch.Tensor, t: int) -> None:
+        buf = self.saved[i][kind]
+        if self.slots is None:
+            buf[:self.rows, t] = y
+        else:
+            buf[self.slots, t] = y
 
     def select(self, rows: torch.Tensor) -> None:
         n, c = len(rows), self.col  # only the columns written so far are worth moving
@@ -225,6 +319,8 @@ class LeanLlamaDecoder:
         self.bias = self.bias[:n * self.nh]
         self.pos = self.pos[:n]
         self.rows = n
+        if self.saved is not None:
+            self.slots = rows if self.slots is None else self.slots[rows]
 
     def _rope(self, x, cos, sin):  # x (R, heads, hd); cos/sin (R, 1, hd)
         half = x.shape[-1] // 2
@@ -238,8 +334,12 @@ class LeanLlamaDecoder:
         at = self.pos + (c - self.start)
         cos, sin = self.cos[at][:, None], self.sin[at][:, None]  # (R, 1, hd)
         bias = self.bias[:, :, :c + 1]  # (R·nh, 1, c+1)
+        save, t = self.saved is not None, c - self.start  # t: the completion token fed
         for i, (n1, wqkv, bqkv, o_proj, n2, wgu, down, scaling) in enumerate(self.layers):
-            qkv = F.linear(n1(h), wqkv, bqkv).view(R, nh + 2 * nkv, hd)
+            qkv = F.linear(n1(h), wqkv, bqkv)
+            if save:
+                self._save(i, "qkv", qkv, t)
+            qkv = qkv.view(R, nh + 2 * nkv, hd)
             qk = self._rope(qkv[:, :nh + nkv], cos, sin)  # q and k rotated in one pass
             self.k[i, :R, :, c] = qk[:, nh:]
             self.v[i, :R, :, c] = qkv[:, nh + nkv:]
@@ -252,11 +352,39 @@ class LeanLlamaDecoder:
             scores = torch.baddbmm(bias, qk[:, :nh].reshape(R * nh, 1, hd), K.transpose(1, 2),
                                    alpha=scaling)
             a = torch.bmm(scores.softmax(-1), V)  # (R·nh, 1, hd)
-            h = h + o_proj(a.view(R, nh * hd))
-            g, u = F.linear(n2(h), wgu).chunk(2, dim=-1)
-            h = h + down(F.silu(g) * u)
+            o = o_proj(a.view(R, nh * hd))
+            h = h + o
+            gu = F.linear(n2(h), wgu)
+            g, u = gu.chunk(2, dim=-1)
+            d = down(F.silu(g) * u)
+            h = h + d
+            if save:
+                self._save(i, "o", o, t)
+                self._save(i, "gu", gu, t)
+                self._save(i, "down", d, t)
         self.col = c + 1
         return self.head(self.norm(h))
+
+
+def can_replay(model) -> bool:
+    """Whether the update's forward may take ``model``'s linear outputs from its lean
+    sampler (:class:`DecodeActivations`): a model the lean decoder runs, whose decoder
+    layers' projections are plain ``nn.Linear`` (no adapter wrapped around them) and whose
+    training forward computes what sampling computed (no dropout, no gradient
+    checkpointing)."""
+    if not LeanLlamaDecoder.supports(model) or any(
+            getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+        return False
+    if getattr(model.config, "attention_dropout", 0.0) or any(
+            isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
+        return False
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        projections = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj,
+                       m.down_proj)
+        if any(type(x) is not torch.nn.Linear for x in projections):
+            return False
+    return True
 
 
 def _compaction(live: torch.Tensor) -> torch.Tensor:
@@ -275,11 +403,13 @@ def _compaction(live: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[str], n: int = 1,
              params: SamplingParams | None = None, generator: torch.Generator | None = None,
-             engine: str = "auto") -> Rollout:
+             engine: str = "auto", capture: bool = False) -> Rollout:
     """Sample ``n`` completions for each prompt (see the module docstring).
 
     ``engine``: ``lean`` decodes with :class:`LeanLlamaDecoder` (Llama-family models), ``hf``
     with the model's own forward and a ``DynamicCache``; ``auto`` picks lean when supported.
+    ``capture``: keep the linear layers' outputs in ``Rollout.activations`` (lean engine
+    only; None with the hf engine).
     """
     params = params or SamplingParams()
     params.validate()
@@ -303,7 +433,7 @@ def generate(model, tokenizer, prompts: list[str], n: int = 1,
     mask = mask.repeat_interleave(n, dim=0)
     next_pos = positions[:, -1].repeat_interleave(n) + 1
     use_lean = engine == "lean" or (engine == "auto" and LeanLlamaDecoder.supports(model))
-    decoder = (LeanLlamaDecoder(model, cache, n, Lp + T, mask, next_pos) if use_lean
+    decoder = (LeanLlamaDecoder(model, cache, n, Lp + T, mask, next_pos, capture) if use_lean
                else HFDecoder(model, cache, n, mask, next_pos))
 
     tokens = torch.full((N, T), pad_id, dtype=torch.long, device=device)
@@ -341,6 +471,7 @@ def generate(model, tokenizer, prompts: list[str], n: int = 1,
             break
         logits = decoder.step(tok)
     model.train(was_training)
+    activations = decoder.activations(steps) if use_lean else None
 
     tokens, logps = tokens[:, :steps].cpu(), logps[:, :steps].cpu()
     done, end = done.cpu(), end.cpu().clamp_max(steps - 1)
@@ -358,7 +489,7 @@ def generate(model, tokenizer, prompts: list[str], n: int = 1,
     return Rollout(prompt_ids=[x for x in prompt_ids for _ in range(n)],
                    completion_ids=tokens, completion_mask=completion_mask, logprobs=logps,
                    truncated=~done, group_ids=torch.arange(P).repeat_interleave(n),
-                   texts=texts)
+                   texts=texts, activations=activations)
 
 
 def _cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
@@ -372,7 +503,8 @@ def select(r: Rollout, rows: torch.Tensor) -> Rollout:
     return Rollout(prompt_ids=[r.prompt_ids[i] for i in idx], completion_ids=r.completion_ids[rows],
                    completion_mask=r.completion_mask[rows], logprobs=r.logprobs[rows],
                    truncated=r.truncated[rows], group_ids=r.group_ids[rows],
-                   texts=[r.texts[i] for i in idx])
+                   texts=[r.texts[i] for i in idx],
+                   activations=None if r.activations is None else r.activations.rows(rows))
 
 
 def concat(rollouts: list[Rollout], pad_id: int) -> Rollout:
@@ -395,4 +527,5 @@ def concat(rollouts: list[Rollout], pad_id: int) -> Rollout:
         logprobs=torch.cat([pad(r.logprobs, 0.0) for r in rollouts]),
         truncated=torch.cat([r.truncated for r in rollouts]),
         group_ids=torch.cat(groups),
-        texts=[t for r in rollouts for t in r.texts])
+        texts=[t for r in rollouts for t in r.texts],
+        activations=concat_activations([r.activations for r in rollouts], T))

@@ -79,7 +79,7 @@ from posttrain.modeling import (
     value_head,
 )
 from posttrain.rewards import parse_rewards, score
-from posttrain.rollout import Rollout, SamplingParams, concat, generate, select
+from posttrain.rollout import Rollout, SamplingParams, can_replay, concat, generate, select
 from posttrain.trainers.base import (
     adamw,
     compile_models,
@@ -165,6 +165,12 @@ class RLConfig(TrainConfig):
     share_prompt: bool | None = None
     """Run each group's prompt once for its G completions in the update, old, reference and
     critic passes; none = automatic (on from 2M parameters)."""
+    reuse_rollout_forward: bool = True
+    """Keep the linear layers' outputs the sampler computed, and let the policy's passes that
+    come before its first optimizer step (the update of a one-update step, the old
+    log-probs) take them instead of running those matmuls again: 2·N FLOPs per completion
+    token saved. Applies with share_prompt, the lean sampler (Llama-family), no dropout and
+    no compile; false = always recompute."""
     skip_zero_advantage: bool = True
     """Leave samples with zero advantage and no KL term out of the forward/backward pass
     (the gradient is the same; false only to measure what skipping saves)."""
@@ -284,10 +290,16 @@ class TokenBatch:
     With ``share_prompt`` each group's prompt is run once and its keys and values are shared
     by the group's completions (:func:`shared_prompt_logprobs`); otherwise each sample is a
     full prompt + completion sequence.
+
+    ``activations`` are the rollout's saved linear-layer outputs (shared-prompt layout only):
+    while the policy is unchanged since sampling, its passes with ``replay=True`` take them
+    instead of recomputing (:func:`modeling.replay_linears`). Whoever changes the policy
+    sets them to None.
     """
 
     def __init__(self, rollout: Rollout, pad_id: int, device, share_prompt: bool):
         self.share = share_prompt
+        self.activations = rollout.activations if share_prompt else None
         self.completion_ids = rollout.completion_ids.to(device)
         self.completion_mask = rollout.completion_mask.to(device)
         if share_prompt:
@@ -328,10 +340,16 @@ class TokenBatch:
                 self.completion_mask[rows])
         return args, {"prompt_index": index, "packed": self._packed_for(model)}
 
-    def logprobs(self, model, rows: torch.Tensor, with_entropy: bool = False):
-        """Log-probs (and entropy) of the completions of ``rows``, ``(len(rows), Lc)``."""
+    def logprobs(self, model, rows: torch.Tensor, with_entropy: bool = False,
+                 replay: bool = False):
+        """Log-probs (and entropy) of the completions of ``rows``, ``(len(rows), Lc)``.
+        ``replay``: ``model`` is the policy that sampled the rollout, unchanged since; its
+        saved linear-layer outputs are used if there are any."""
         if self.share:
             args, kw = self._shared(model, rows)
+            if replay and self.activations is not None:
+                kw["replay"] = self.activations.rows(rows).linear_outputs(
+                    model, self.completion_ids.shape[1])
             return shared_prompt_logprobs(model, *args, with_entropy=with_entropy, **kw)
         out = completion_logprobs(model, self.full["input_ids"][rows],
                                   self.full["attention_mask"][rows],
@@ -377,7 +395,7 @@ def accumulate_policy_gradient(policy, algo: Algorithm, tokens: TokenBatch, mask
     n_micro = 0
     for i in range(0, len(rows), micro_batch_size):
         mb = rows[i:i + micro_batch_size]
-        lp, ent = tokens.logprobs(policy, mb, with_entropy=True)
+        lp, ent = tokens.logprobs(policy, mb, with_entropy=True, replay=True)
         old_mb = lp.detach() if old is None else old[mb]
         loss_tok, m = policy_objective(algo, lp, old_mb, adv[mb], mask[mb],
                                        None if ref is None else ref[mb])
@@ -464,6 +482,8 @@ class RLTrainer:
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self._order: list[int] = []
         self.compiled = compile_models(cfg, [self.policy, self.ref, self.critic], self.device)
+        self.reuse_rollout_forward = (cfg.reuse_rollout_forward and self.share_prompt
+                                      and not self.compiled and can_replay(self.policy))
 
     def _critic_source(self) -> str:
         cfg = self.cfg
@@ -520,7 +540,8 @@ class RLTrainer:
             rounds += 1
             rows = self._next_rows(want)
             rollout = generate(self.policy, self.tok, [r["prompt"] for r in rows],
-                               cfg.group_size, self.params, self.gen)
+                               cfg.group_size, self.params, self.gen,
+                               capture=self.reuse_rollout_forward)
             total, terms, valid, correct = self._score(rows, rollout)
             if self.algo.dynamic_sampling:
                 signal = groups_with_signal(total, rollout.group_ids)
@@ -619,7 +640,7 @@ class RLTrainer:
         everyone = torch.arange(len(tokens), device=self.device)
         several_updates = cfg.ppo_epochs > 1 or cfg.minibatch_size < len(tokens)
         with torch.no_grad():
-            old = (tokens.logprobs(self.policy, everyone)
+            old = (tokens.logprobs(self.policy, everyone, replay=True)
                    if several_updates or algo.reward_kl_coef != 0 else None)
             old_values = (tokens.values(self.critic, everyone) if self.critic is not None
                           else None)
@@ -645,7 +666,9 @@ class RLTrainer:
         for _ in range(cfg.ppo_epochs):
             perm = torch.randperm(len(adv), generator=self.gen).to(self.device)
             for i in range(0, len(adv), cfg.minibatch_size):
-                idx = perm[i:i + cfg.minibatch_size]
+                # in row order: a minibatch of the whole batch is then a view of the saved
+                # activations, not a copy
+                idx = perm[i:i + cfg.minibatch_size].sort().values
                 if not live[idx].any():
                     continue
                 m: dict[str, float] = {}
@@ -654,6 +677,7 @@ class RLTrainer:
                         self.policy, algo, tokens, mask, idx, adv, old, ref, live,
                         cfg.micro_batch_size, cfg.max_new_tokens))
                     m.update(self._optimizer_step(self.policy, opt, "grad_norm"))
+                    tokens.activations = None  # the policy has moved on from the sampler's
                     n_steps += 1
                 if self.critic is not None:
                     m.update(accumulate_value_gradient(self.critic, algo, tokens, mask, idx,

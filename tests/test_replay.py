@@ -1,0 +1,138 @@
+"""Reusing the sampler's forward in the update (``reuse_rollout_forward``): the linear-layer
+outputs the lean decoder saved give the same log-probs and gradients as recomputing them,
+for the whole batch (a view of the saved outputs) and for a shuffled subset (a copy), and
+the trainer stops using them once the policy has taken an optimizer step."""
+
+import json
+
+import pytest
+import torch
+
+from posttrain.modeling import load_causal_lm, load_tokenizer
+from posttrain.rollout import SamplingParams, can_replay, generate
+from posttrain.trainers.online import RLConfig, RLTrainer, TokenBatch
+
+PROMPTS = ["1+2=", "17+25=", "3+4=", "100+200="]
+
+
+def _model(tiny_model_dir, arch):
+    """A random model whose eos logit is scaled up, so rows finish at many different steps
+    and the sampler's cache is compacted several times (rows move slots)."""
+    tok = load_tokenizer(tiny_model_dir)
+    if arch == "builtin_tiny":
+        model = load_causal_lm(tiny_model_dir, device="cpu")
+    else:  # grouped-query attention and q/k/v biases: the other paths of the fused layout
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(Qwen2Config(
+            vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=1, pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id, use_sliding_window=False))
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_proj.bias.normal_(0, 0.5)
+    with torch.no_grad():
+        model.lm_head.weight[tok.eos_token_id] *= 20
+    return model.train(), tok
+
+
+def _grads(model, tokens, rows, weights, replay):
+    model.zero_grad()
+    lp = tokens.logprobs(model, rows, replay=replay)
+    (lp * weights).sum().backward()
+    return lp.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("arch", ["builtin_tiny", "qwen2_gqa_bias"])
+def test_replayed_logprobs_and_gradients_equal_recomputed(tiny_model_dir, arch):
+    model, tok = _model(tiny_model_dir, arch)
+    assert can_replay(model)
+    r = generate(model, tok, PROMPTS, n=8, params=SamplingParams(temperature=1.0,
+                                                                 max_new_tokens=12),
+                 generator=torch.Generator().manual_seed(0), engine="lean", capture=True)
+    assert len(set(r.lengths.tolist())) >= 4 and r.activations is not None
+    tokens = TokenBatch(r, tok.pad_token_id, "cpu", share_prompt=True)
+    mask = tokens.completion_mask.bool()
+    g = torch.Generator().manual_seed(1)
+    for rows in (torch.arange(len(tokens)), torch.randperm(len(tokens), generator=g)[:11]):
+        weights = torch.randn(len(rows), mask.shape[1], generator=g) * mask[rows]
+        lp_replay, g_replay = _grads(model, tokens, rows, weights, replay=True)
+        lp_full, g_full = _grads(model, tokens, rows, weights, replay=False)
+        _, g_exact = _grads(model.double(), tokens, rows, weights.double(), replay=False)
+        model.float()
+        assert g_full.abs().max() > 0
+        torch.testing.assert_close(lp_replay, lp_full, rtol=0, atol=1e-5)
+        # as close to the float64 gradient as float32 recomputation is (rounding differs
+        # between the sampler's incremental forward and the full one, so not to the bit)
+        err_replay = (g_replay.double() - g_exact).abs().max()
+        err_full = (g_full.double() - g_exact).abs().max()
+        assert err_replay <= 3 * err_full + 1e-7, (err_replay, err_full)
+        # and both are the log-probs the sampler drew the tokens with (temperature 1)
+        torch.testing.assert_close(lp_replay, r.logprobs[rows], rtol=0, atol=1e-4)
+
+    # the check can fail: the saved outputs of two samples swapped give other log-probs
+    rows = torch.arange(len(tokens))
+    for saved in tokens.activations.layers:
+        for v in saved.values():
+            v[[0, 1]] = v[[1, 0]]
+    with torch.no_grad():
+        swapped = tokens.logprobs(model, rows, replay=True)
+        full = tokens.logprobs(model, rows, replay=False)
+    assert (swapped - full).abs().max() > 1e-2
+
+
+def test_not_replayed_where_the_forward_differs(tiny_model_dir):
+    """Dropout, gradient checkpointing or a wrapped projection turn replay off."""
+    model, _ = _model(tiny_model_dir, "builtin_tiny")
+    model.model.layers[0].mlp.down_proj = torch.nn.Sequential(model.model.layers[0].mlp.down_proj)
+    assert not can_replay(model)
+    model, _ = _model(tiny_model_dir, "builtin_tiny")
+    model.config.attention_dropout = 0.1
+    assert not can_replay(model)
+    model, _ = _model(tiny_model_dir, "builtin_tiny")
+    enable = (getattr(model, "activation_checkpointing_enable", None)  # transformers ≥ 5.x
+              or model.gradient_checkpointing_enable)
+    enable()
+    assert not can_replay(model)
+
+
+def _rl_trainer(tiny_model_dir, out, reward, data, reuse, **kw):
+    cfg = RLConfig(model=tiny_model_dir, output_dir=str(out), max_steps=1, prompts_per_step=2,
+                   group_size=4, max_new_tokens=6, builtin_eval_size=0, eval_every=0,
+                   device="cpu", tensorboard=False, temperature=1.5, share_prompt=True,
+                   data=str(data), reward=f"{reward}:by_len", lr=1.0,
+                   reuse_rollout_forward=reuse, **kw)
+    cfg.validate()
+    return RLTrainer(cfg)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(algo="grpo", kl_coef=0.04, ppo_epochs=2, minibatch_size=4, micro_batch_size=2),
+    dict(algo="dapo", dynamic_sampling_rounds=4, minibatch_size=8, micro_batch_size=8),
+    dict(algo="grpo", kl_coef=0.04, minibatch_size=8, micro_batch_size=8),
+])
+def test_trainer_step_same_with_and_without_reuse(tiny_model_dir, tmp_path, kw):
+    """A whole step (sampling, old log-probs, several minibatches and epochs at a large
+    learning rate, dynamic sampling's select and concat) moves the policy the same way with
+    the sampler's outputs reused as without; after the first optimizer step the policy has
+    moved, and outputs used past it would show as a different update."""
+    reward = tmp_path / "r.py"
+    reward.write_text("def by_len(prompts, completions, **_):\n"
+                      "    return [float(len(c)) for c in completions]\n")
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}="}) + "\n" for i in range(8)))
+    moved = []
+    for reuse in (True, False):
+        torch.manual_seed(0)
+        trainer = _rl_trainer(tiny_model_dir, tmp_path / str(reuse), reward, data, reuse, **kw)
+        assert trainer.reuse_rollout_forward is reuse
+        before = [p.detach().clone() for p in trainer.policy.parameters()]
+        # plain SGD: the update is proportional to the gradient (Adam's first steps are
+        # about its sign, which float rounding can flip where a gradient is ~0)
+        record = trainer.step(torch.optim.SGD(trainer.policy.parameters(), lr=1.0))
+        assert record["optim/steps"] >= 1
+        moved.append(torch.cat([(p.detach() - b).flatten()
+                                for p, b in zip(trainer.policy.parameters(), before, strict=True)]))
+    assert moved[1].abs().max() > 1e-2
+    torch.testing.assert_close(moved[0], moved[1], rtol=0, atol=1e-5 * moved[1].abs().max())
