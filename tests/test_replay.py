@@ -136,3 +136,52 @@ def test_trainer_step_same_with_and_without_reuse(tiny_model_dir, tmp_path, kw):
                                 for p, b in zip(trainer.policy.parameters(), before, strict=True)]))
     assert moved[1].abs().max() > 1e-2
     torch.testing.assert_close(moved[0], moved[1], rtol=0, atol=1e-5 * moved[1].abs().max())
+
+
+def _mlp_and_linear_grads(mlp, lin, x, gy, gz, replay):
+    from posttrain.modeling import replay_forward
+
+    params = (*mlp.parameters(), *lin.parameters())
+    for p in params:
+        p.grad = None
+    x.grad = None
+    with torch.no_grad():
+        saved = {mlp: (mlp.gate_proj(x), mlp.up_proj(x), mlp(x)), lin: lin(x)}
+    with replay_forward(saved if replay else None):
+        y, z = mlp(x), lin(x)
+    ((y * gy).sum() + (z * gz).sum()).backward()
+    return [y.detach(), z.detach(), x.grad] + [p.grad for p in params]
+
+
+def test_replayed_modules_have_the_modules_gradients_in_float64():
+    """``replay_forward`` on a Llama MLP and a biased linear layer, given the outputs the
+    modules compute: the same outputs and the same gradients (input and every weight) as
+    autograd through the modules, in float64, for inputs up to |x| = 30."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    torch.manual_seed(0)
+    mlp = LlamaMLP(LlamaConfig(hidden_size=8, intermediate_size=12, num_attention_heads=2,
+                               num_key_value_heads=2)).double()
+    lin = torch.nn.Linear(8, 5).double()
+    for scale in (1.0, 30.0):
+        x = (torch.randn(3, 4, 8, dtype=torch.float64) * scale).requires_grad_()
+        gy = torch.randn(3, 4, 8, dtype=torch.float64)
+        gz = torch.randn(3, 4, 5, dtype=torch.float64)
+        replayed = _mlp_and_linear_grads(mlp, lin, x, gy, gz, replay=True)
+        autograd = _mlp_and_linear_grads(mlp, lin, x, gy, gz, replay=False)
+        for a, b in zip(replayed, autograd, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12 * scale)
+
+
+def test_replay_refuses_a_mismatched_or_repeated_call():
+    from posttrain.modeling import replay_forward
+
+    lin = torch.nn.Linear(4, 3)
+    with pytest.raises(RuntimeError, match="got input"), replay_forward({lin: torch.zeros(2, 3)}):
+        lin(torch.zeros(5, 4))
+    with pytest.raises(RuntimeError, match="ran twice"), replay_forward({lin: torch.zeros(2, 3)}):
+        lin(torch.zeros(2, 4))
+        lin(torch.zeros(2, 4))
+    assert "forward" not in vars(lin)  # the module is itself again
+    assert lin(torch.zeros(5, 4)).shape == (5, 3)

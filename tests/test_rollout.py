@@ -475,3 +475,27 @@ def test_rows_finishing_at_many_steps_keep_teacher_forced_logprobs(tiny_model_di
     for i in range(len(ref)):
         got = r.logprobs[i][r.completion_mask[i].bool()]
         torch.testing.assert_close(got, ref[i][target[i]].float(), atol=1e-4, rtol=0)
+
+
+def test_mlp_biases_keep_the_model_forward(tiny_model_dir):
+    """The lean decoder fuses gate and up without biases, so a Llama with ``mlp_bias`` is
+    decoded through the model's own forward: ``auto`` samples what ``hf`` does."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from posttrain.rollout import LeanLlamaDecoder, SamplingParams, generate
+
+    tok = load_tokenizer(tiny_model_dir)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, mlp_bias=True,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate_proj.bias.normal_(0, 2.0)
+    assert not LeanLlamaDecoder.supports(model)
+    params = SamplingParams(temperature=1.0, max_new_tokens=6)
+    a = generate(model, tok, ["1+2="], 4, params, torch.Generator().manual_seed(1))
+    b = generate(model, tok, ["1+2="], 4, params, torch.Generator().manual_seed(1),
+                 engine="hf")
+    assert torch.equal(a.completion_ids, b.completion_ids)

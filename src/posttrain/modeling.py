@@ -268,32 +268,76 @@ class _ReplayedLinear(torch.autograd.Function):
         return gx, gw, gb, None
 
 
+class _ReplayedSwiGLU(torch.autograd.Function):
+    """A SwiGLU MLP, ``down(silu(gate(x)) * up(x))`` without biases, whose gate and up
+    projections ``g``, ``u`` and output ``d`` are already known. The forward returns ``d``;
+    the backward is the MLP's, with ``silu(g) * u`` recomputed from the saved ``g`` and
+    ``u`` (two elementwise ops) instead of kept: autograd through the module keeps
+    ``silu(g)`` and the product as well, two more ``intermediate``-wide tensors per token."""
+
+    @staticmethod
+    def forward(ctx, x, w_gate, w_up, w_down, g, u, d):
+        ctx.save_for_backward(x, w_gate, w_up, w_down, g, u)
+        return d.view_as(d)
+
+    @staticmethod
+    def backward(ctx, gd):
+        import torch.nn.functional as F
+
+        x, w_gate, w_up, w_down, g, u = ctx.saved_tensors
+        act = F.silu(g)
+        gp = gd @ w_down  # gradient of the product silu(g) * u
+        g_gate = torch.ops.aten.silu_backward(gp * u, g)
+        g_up = gp * act
+        flat = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
+        gx = g_gate @ w_gate + g_up @ w_up if ctx.needs_input_grad[0] else None
+        gw_gate = flat(g_gate).T @ flat(x) if ctx.needs_input_grad[1] else None
+        gw_up = flat(g_up).T @ flat(x) if ctx.needs_input_grad[2] else None
+        gw_down = flat(gd).T @ flat(act * u) if ctx.needs_input_grad[3] else None
+        return gx, gw_gate, gw_up, gw_down, None, None, None
+
+
 @contextlib.contextmanager
-def replay_linears(outputs: dict[torch.nn.Module, torch.Tensor] | None):
-    """Within the block, each ``nn.Linear`` in ``outputs`` returns its given output instead of
-    computing it, with the gradients of the real layer: a forward whose linear layers were
+def replay_forward(outputs: dict[torch.nn.Module, torch.Tensor | tuple] | None):
+    """Within the block, each module in ``outputs`` returns its given output instead of
+    computing it, with the gradients of the real module: a forward whose matmuls were
     already computed elsewhere (the sampler's, see ``rollout.DecodeActivations``) costs only
-    its other ops. The caller vouches that the outputs are what the layers would compute on
-    this call's inputs (same weights, same tokens); a call whose input shape does not match
-    its output's raises. ``None`` changes nothing."""
+    its other ops. A ``nn.Linear`` maps to its output; a SwiGLU MLP (``gate_proj``,
+    ``up_proj``, ``down_proj`` without biases, SiLU) to ``(gate output, up output, MLP
+    output)``, and keeps less for its backward than autograd would (``_ReplayedSwiGLU``).
+
+    The caller vouches that the outputs are what the modules would compute on this call's
+    inputs (same weights, same tokens); a call whose input shape does not match its
+    output's, or a module called twice, raises. Each output is taken out of ``outputs``
+    when its module runs, so one that the backward does not need is freed as soon as the
+    forward is done with it (if the caller holds no other reference). ``None`` changes
+    nothing."""
     if not outputs:
         yield
         return
 
-    def replayed(module, y):
+    def replayed(module):
         def forward(x):
-            if x.shape[:-1] != y.shape[:-1]:
-                raise RuntimeError(f"replayed linear layer got input {tuple(x.shape)} for "
-                                   f"saved output {tuple(y.shape)}")
+            y = outputs.pop(module, None)
+            if y is None:
+                raise RuntimeError("a replayed module ran twice in one forward")
+            out = y[-1] if isinstance(y, tuple) else y
+            if x.shape[:-1] != out.shape[:-1]:
+                raise RuntimeError(f"replayed {type(module).__name__} got input "
+                                   f"{tuple(x.shape)} for saved output {tuple(out.shape)}")
+            if isinstance(y, tuple):
+                return _ReplayedSwiGLU.apply(x, module.gate_proj.weight, module.up_proj.weight,
+                                             module.down_proj.weight, *y)
             return _ReplayedLinear.apply(x, module.weight, module.bias, y)
         return forward
 
-    for module, y in outputs.items():
-        module.forward = replayed(module, y)
+    modules = list(outputs)
+    for module in modules:
+        module.forward = replayed(module)
     try:
         yield
     finally:
-        for module in outputs:
+        for module in modules:
             del module.forward
 
 
@@ -327,8 +371,8 @@ def shared_prompt_logprobs(model: PreTrainedModel, prompt_ids: torch.Tensor,
     - *two calls*: the prompts, then the completions over a KV cache of the prompts repeated
       to each completion. Attention is exact-sized, but each weight is used twice.
 
-    ``replay``: the linear layers' outputs for the completion call (:func:`replay_linears`),
-    which then takes the two-call path and skips those matmuls.
+    ``replay``: the outputs of the linear layers and MLPs for the completion call
+    (:func:`replay_forward`), which then takes the two-call path and skips those matmuls.
     """
     if not has_plain_head(model):
         raise ValueError("shared_prompt_logprobs needs logits = lm_head(hidden states)")
@@ -463,7 +507,7 @@ def _two_call_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_
                      replay=None):
     """Hidden states predicting each completion position ``(R, Lc, H)``: the prompts run
     once into a KV cache, which is repeated to each completion for a second call (its
-    linear layers replayed from ``replay`` when given)."""
+    linear layers and MLPs replayed from ``replay`` when given)."""
     positions = (prompt_mask.cumsum(-1) - 1).clamp_min(0)
     cache = DynamicCache()
     kw = cache_kwarg(model.base_model)
@@ -473,7 +517,7 @@ def _two_call_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_
     cache.batch_select_indices(rows)
     Lc = completion_ids.shape[1]
     c_positions = positions[rows, -1:] + 1 + torch.arange(Lc, device=positions.device)
-    with replay_linears(replay):
+    with replay_forward(replay):
         h_comp = model.base_model(
             input_ids=completion_ids,
             attention_mask=torch.cat([prompt_mask[rows], completion_mask], 1),

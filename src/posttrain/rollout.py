@@ -66,8 +66,8 @@ class Rollout:
     texts: list[str]
     """Decoded completions without special tokens (cut at a stop string)."""
     activations: DecodeActivations | None = None
-    """The policy's linear-layer outputs at each completion position, saved while sampling
-    (``generate(..., capture=True)``, lean engine); None when not captured."""
+    """The outputs of the policy's projections at each completion position, saved while
+    sampling (``generate(..., capture=True)``, lean engine); None when not captured."""
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -77,9 +77,11 @@ class Rollout:
 @dataclass
 class DecodeActivations:
     """What the sampler's forward computed, kept so the first update after sampling need not
-    compute it again: for each decoder layer, the outputs of its linear layers at each
-    completion position, ``(N, Tc, features)`` per layer and kind — ``qkv`` (the q, k and v
-    projections side by side), ``o``, ``gu`` (gate and up side by side) and ``down``.
+    compute it again: for each decoder layer, the outputs of its projections at each
+    completion position, ``(N, Tc, features)`` per layer and projection — ``q``, ``k``,
+    ``v``, ``o``, ``g`` (gate), ``u`` (up) and ``down``. Each is its own tensor, so those
+    the backward does not need (q and k before rotation, o and down) are freed as the
+    forward that replays them goes through the layers.
 
     Column ``t`` holds what the model computed on completion token ``t`` (the position
     that predicts token ``t + 1``). A row's last token, and its padding, were never fed to
@@ -87,8 +89,6 @@ class DecodeActivations:
     """
 
     layers: list[dict[str, torch.Tensor]]
-    q: int
-    """Features of the q projection; k and v have ``(qkv - q) / 2`` each."""
 
     def rows(self, rows: torch.Tensor) -> DecodeActivations:
         """The samples ``rows``; a view when they are a contiguous ascending range (the
@@ -96,26 +96,19 @@ class DecodeActivations:
         r = rows.tolist()
         if r and r == list(range(r[0], r[0] + len(r))):
             sl = slice(r[0], r[0] + len(r))
-            return DecodeActivations([{k: v[sl] for k, v in d.items()} for d in self.layers],
-                                     self.q)
-        return DecodeActivations([{k: v[rows] for k, v in d.items()} for d in self.layers],
-                                 self.q)
+            return DecodeActivations([{k: v[sl] for k, v in d.items()} for d in self.layers])
+        return DecodeActivations([{k: v[rows] for k, v in d.items()} for d in self.layers])
 
-    def linear_outputs(self, model, columns: int) -> dict[torch.nn.Module, torch.Tensor]:
-        """Each linear layer of ``model``'s decoder layers mapped to its saved output over
-        the first ``columns`` completion positions (see :func:`modeling.replay_linears`)."""
-        out: dict[torch.nn.Module, torch.Tensor] = {}
+    def replay_map(self, model, columns: int) -> dict[torch.nn.Module, torch.Tensor | tuple]:
+        """What :func:`modeling.replay_forward` takes for ``model``: each attention
+        projection mapped to its saved output, each MLP to its gate, up and output, over the
+        first ``columns`` completion positions."""
+        out: dict[torch.nn.Module, torch.Tensor | tuple] = {}
         for layer, saved in zip(model.model.layers, self.layers, strict=True):
-            a, m = layer.self_attn, layer.mlp
-            qkv, gu = saved["qkv"][:, :columns], saved["gu"][:, :columns]
-            kv = (qkv.shape[-1] - self.q) // 2
-            inter = gu.shape[-1] // 2
-            out[a.q_proj] = qkv[..., :self.q]
-            out[a.k_proj] = qkv[..., self.q:self.q + kv]
-            out[a.v_proj] = qkv[..., self.q + kv:]
-            out[a.o_proj] = saved["o"][:, :columns]
-            out[m.gate_proj], out[m.up_proj] = gu[..., :inter], gu[..., inter:]
-            out[m.down_proj] = saved["down"][:, :columns]
+            a = layer.self_attn
+            cut = {k: v[:, :columns] for k, v in saved.items()}
+            out.update({a.q_proj: cut["q"], a.k_proj: cut["k"], a.v_proj: cut["v"],
+                        a.o_proj: cut["o"], layer.mlp: (cut["g"], cut["u"], cut["down"])})
         return out
 
 
@@ -133,7 +126,7 @@ def concat_activations(parts: list[DecodeActivations | None], T: int
 
     layers = [{k: torch.cat([pad(p.layers[i][k]) for p in parts]) for k in parts[0].layers[i]}
               for i in range(len(parts[0].layers))]
-    return DecodeActivations(layers, parts[0].q)
+    return DecodeActivations(layers)
 
 
 def _sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None
@@ -228,6 +221,7 @@ class LeanLlamaDecoder:
         return (type(model).__name__ in cls.ARCHS
                 and getattr(cfg, "sliding_window", None) is None
                 and getattr(cfg, "hidden_act", "silu") == "silu"
+                and not getattr(cfg, "mlp_bias", False)  # the fused gate/up takes no bias
                 and not getattr(cfg, "final_logit_softcapping", None)
                 and getattr(cfg, "pretraining_tp", 1) == 1)
 
@@ -279,22 +273,25 @@ class LeanLlamaDecoder:
         self.slots: torch.Tensor | None = None
         self.saved: list[dict[str, torch.Tensor]] | None = None
         if capture:
+            q, kv, H = self.nh * self.hd, self.nkv * self.hd, cfg.hidden_size
+            inter = self.layers[0][5].shape[0] // 2
             T = max_len - Lp
-            H = cfg.hidden_size
-
-            def buffer(features: int) -> torch.Tensor:
-                return k0.new_zeros(N, T, features)
-
-            self.saved = [{"qkv": buffer(wqkv.shape[0]), "o": buffer(H),
-                           "gu": buffer(wgu.shape[0]), "down": buffer(H)}
-                          for _, wqkv, _, _, _, wgu, _, _ in self.layers]
+            # allocated in two runs, what the update's backward needs (v, gate, up) and what
+            # its forward is done with layer by layer (q and k before rotation, o, down), so
+            # the latter leave one contiguous free region for the backward's own tensors
+            self.saved = [{} for _ in self.layers]
+            for kinds in ((("v", kv), ("g", inter), ("u", inter)),
+                          (("q", q), ("k", kv), ("o", H), ("down", H))):
+                for saved in self.saved:
+                    for kind, features in kinds:
+                        saved[kind] = k0.new_zeros(N, T, features)
 
     def activations(self, columns: int) -> DecodeActivations | None:
         """The captured outputs over the first ``columns`` completion positions."""
         if self.saved is None:
             return None
         return DecodeActivations([{k: v[:, :columns] for k, v in d.items()}
-                                  for d in self.saved], self.nh * self.hd)
+                                  for d in self.saved])
 
     def _save(self, i: int, kind: str, y: torch.Tensor, t: int) -> None:
         buf = self.saved[i][kind]
@@ -338,7 +335,10 @@ class LeanLlamaDecoder:
         for i, (n1, wqkv, bqkv, o_proj, n2, wgu, down, scaling) in enumerate(self.layers):
             qkv = F.linear(n1(h), wqkv, bqkv)
             if save:
-                self._save(i, "qkv", qkv, t)
+                q_end, k_end = nh * hd, (nh + nkv) * hd
+                self._save(i, "q", qkv[:, :q_end], t)
+                self._save(i, "k", qkv[:, q_end:k_end], t)
+                self._save(i, "v", qkv[:, k_end:], t)
             qkv = qkv.view(R, nh + 2 * nkv, hd)
             qk = self._rope(qkv[:, :nh + nkv], cos, sin)  # q and k rotated in one pass
             self.k[i, :R, :, c] = qk[:, nh:]
@@ -360,18 +360,19 @@ class LeanLlamaDecoder:
             h = h + d
             if save:
                 self._save(i, "o", o, t)
-                self._save(i, "gu", gu, t)
+                self._save(i, "g", g, t)
+                self._save(i, "u", u, t)
                 self._save(i, "down", d, t)
         self.col = c + 1
         return self.head(self.norm(h))
 
 
 def can_replay(model) -> bool:
-    """Whether the update's forward may take ``model``'s linear outputs from its lean
-    sampler (:class:`DecodeActivations`): a model the lean decoder runs, whose decoder
-    layers' projections are plain ``nn.Linear`` (no adapter wrapped around them) and whose
-    training forward computes what sampling computed (no dropout, no gradient
-    checkpointing)."""
+    """Whether the update's forward may take ``model``'s projections from its lean sampler
+    (:class:`DecodeActivations`): a model the lean decoder runs, whose decoder layers'
+    projections are plain ``nn.Linear`` (no adapter wrapped around them) in the MLP that
+    ``modeling.replay_forward`` knows, and whose training forward computes what sampling
+    computed (no dropout, no gradient checkpointing)."""
     if not LeanLlamaDecoder.supports(model) or any(
             getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
         return False
@@ -382,7 +383,8 @@ def can_replay(model) -> bool:
         a, m = layer.self_attn, layer.mlp
         projections = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj,
                        m.down_proj)
-        if any(type(x) is not torch.nn.Linear for x in projections):
+        if any(type(x) is not torch.nn.Linear for x in projections) or any(
+                x.bias is not None for x in projections[4:]):
             return False
     return True
 

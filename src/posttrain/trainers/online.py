@@ -291,15 +291,17 @@ class TokenBatch:
     by the group's completions (:func:`shared_prompt_logprobs`); otherwise each sample is a
     full prompt + completion sequence.
 
-    ``activations`` are the rollout's saved linear-layer outputs (shared-prompt layout only):
-    while the policy is unchanged since sampling, its passes with ``replay=True`` take them
-    instead of recomputing (:func:`modeling.replay_linears`). Whoever changes the policy
-    sets them to None.
+    ``activations`` are the rollout's saved linear-layer outputs (shared-prompt layout only),
+    taken over from the rollout (which no longer holds them, so that they are freed as soon
+    as they are used up): while the policy is unchanged since sampling, its passes with
+    ``replay=True`` take them instead of recomputing (:func:`modeling.replay_forward`).
+    Whoever changes the policy sets them to None.
     """
 
     def __init__(self, rollout: Rollout, pad_id: int, device, share_prompt: bool):
         self.share = share_prompt
         self.activations = rollout.activations if share_prompt else None
+        rollout.activations = None
         self.completion_ids = rollout.completion_ids.to(device)
         self.completion_mask = rollout.completion_mask.to(device)
         if share_prompt:
@@ -341,15 +343,21 @@ class TokenBatch:
         return args, {"prompt_index": index, "packed": self._packed_for(model)}
 
     def logprobs(self, model, rows: torch.Tensor, with_entropy: bool = False,
-                 replay: bool = False):
+                 replay: bool = False, last_replay: bool = False):
         """Log-probs (and entropy) of the completions of ``rows``, ``(len(rows), Lc)``.
         ``replay``: ``model`` is the policy that sampled the rollout, unchanged since; its
-        saved linear-layer outputs are used if there are any."""
+        saved linear-layer outputs are used if there are any. ``last_replay``: and this is
+        their last use, so they are released first (what the backward does not need of them
+        is freed layer by layer during the forward)."""
         if self.share:
             args, kw = self._shared(model, rows)
             if replay and self.activations is not None:
-                kw["replay"] = self.activations.rows(rows).linear_outputs(
-                    model, self.completion_ids.shape[1])
+                saved = self.activations
+                if last_replay:
+                    self.activations = None
+                kw["replay"] = saved.rows(rows).replay_map(model,
+                                                               self.completion_ids.shape[1])
+                del saved
             return shared_prompt_logprobs(model, *args, with_entropy=with_entropy, **kw)
         out = completion_logprobs(model, self.full["input_ids"][rows],
                                   self.full["attention_mask"][rows],
@@ -395,7 +403,10 @@ def accumulate_policy_gradient(policy, algo: Algorithm, tokens: TokenBatch, mask
     n_micro = 0
     for i in range(0, len(rows), micro_batch_size):
         mb = rows[i:i + micro_batch_size]
-        lp, ent = tokens.logprobs(policy, mb, with_entropy=True, replay=True)
+        # the last micro-batch is the sampler's outputs' last use: the optimizer step that
+        # follows changes the policy
+        lp, ent = tokens.logprobs(policy, mb, with_entropy=True, replay=True,
+                                  last_replay=i + micro_batch_size >= len(rows))
         old_mb = lp.detach() if old is None else old[mb]
         loss_tok, m = policy_objective(algo, lp, old_mb, adv[mb], mask[mb],
                                        None if ref is None else ref[mb])
