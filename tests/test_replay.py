@@ -45,13 +45,25 @@ def _grads(model, tokens, rows, weights, replay):
 
 
 @pytest.mark.parametrize("arch", ["builtin_tiny", "qwen2_gqa_bias"])
-def test_replayed_logprobs_and_gradients_equal_recomputed(tiny_model_dir, arch):
+def test_replayed_logprobs_and_gradients_equal_recomputed(tiny_model_dir, arch, monkeypatch):
     model, tok = _model(tiny_model_dir, arch)
     assert can_replay(model)
+    # the sampler's buffers start as NaN: entries no step writes must come out as zeros
+    new_empty = torch.Tensor.new_empty
+    monkeypatch.setattr(torch.Tensor, "new_empty",
+                        lambda self, *a, **kw: new_empty(self, *a, **kw).fill_(float("nan")))
     r = generate(model, tok, PROMPTS, n=8, params=SamplingParams(temperature=1.0,
                                                                  max_new_tokens=12),
                  generator=torch.Generator().manual_seed(0), engine="lean", capture=True)
+    monkeypatch.undo()
     assert len(set(r.lengths.tolist())) >= 4 and r.activations is not None
+    # a sample's last token and its padding were never fed: zero there (the values written
+    # elsewhere are checked below, through the log-probs and gradients they give)
+    unfed = torch.arange(r.completion_ids.shape[1])[None] >= r.lengths[:, None] - 1
+    for saved in r.activations.layers:
+        for v in saved.values():
+            assert v.shape[:2] == unfed.shape and torch.isfinite(v).all()
+            assert (v[unfed] == 0).all()
     tokens = TokenBatch(r, tok.pad_token_id, "cpu", share_prompt=True)
     mask = tokens.completion_mask.bool()
     g = torch.Generator().manual_seed(1)
@@ -97,11 +109,11 @@ def test_not_replayed_where_the_forward_differs(tiny_model_dir):
     assert not can_replay(model)
 
 
-def _rl_trainer(tiny_model_dir, out, reward, data, reuse, **kw):
+def _rl_trainer(tiny_model_dir, out, reward, data, reuse, fn="by_len", **kw):
     cfg = RLConfig(model=tiny_model_dir, output_dir=str(out), max_steps=1, prompts_per_step=2,
                    group_size=4, max_new_tokens=6, builtin_eval_size=0, eval_every=0,
                    device="cpu", tensorboard=False, temperature=1.5, share_prompt=True,
-                   data=str(data), reward=f"{reward}:by_len", lr=1.0,
+                   data=str(data), reward=f"{reward}:{fn}", lr=1.0,
                    reuse_rollout_forward=reuse, **kw)
     cfg.validate()
     return RLTrainer(cfg)
@@ -109,7 +121,9 @@ def _rl_trainer(tiny_model_dir, out, reward, data, reuse, **kw):
 
 @pytest.mark.parametrize("kw", [
     dict(algo="grpo", kl_coef=0.04, ppo_epochs=2, minibatch_size=4, micro_batch_size=2),
-    dict(algo="dapo", dynamic_sampling_rounds=4, minibatch_size=8, micro_batch_size=8),
+    # half the prompts carry no signal: several sampling rounds, select and concat
+    dict(algo="dapo", dynamic_sampling_rounds=8, minibatch_size=8, micro_batch_size=8,
+         fn="odd_len"),
     dict(algo="grpo", kl_coef=0.04, minibatch_size=8, micro_batch_size=8),
 ])
 def test_trainer_step_same_with_and_without_reuse(tiny_model_dir, tmp_path, kw):
@@ -119,7 +133,10 @@ def test_trainer_step_same_with_and_without_reuse(tiny_model_dir, tmp_path, kw):
     moved, and outputs used past it would show as a different update."""
     reward = tmp_path / "r.py"
     reward.write_text("def by_len(prompts, completions, **_):\n"
-                      "    return [float(len(c)) for c in completions]\n")
+                      "    return [float(len(c)) for c in completions]\n"
+                      "def odd_len(prompts, completions, **_):\n"
+                      "    return [float(len(c) * (int(p[0]) % 2)) for p, c in\n"
+                      "            zip(prompts, completions)]\n")
     data = tmp_path / "p.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}+{i}="}) + "\n" for i in range(8)))
     moved = []
@@ -132,6 +149,7 @@ def test_trainer_step_same_with_and_without_reuse(tiny_model_dir, tmp_path, kw):
         # about its sign, which float rounding can flip where a gradient is ~0)
         record = trainer.step(torch.optim.SGD(trainer.policy.parameters(), lr=1.0))
         assert record["optim/steps"] >= 1
+        assert record["sampling/rounds"] > 1 or kw["algo"] != "dapo"
         moved.append(torch.cat([(p.detach() - b).flatten()
                                 for p, b in zip(trainer.policy.parameters(), before, strict=True)]))
     assert moved[1].abs().max() > 1e-2

@@ -79,7 +79,7 @@ class DecodeActivations:
     """What the sampler's forward computed, kept so the first update after sampling need not
     compute it again: for each decoder layer, the outputs of its projections at each
     completion position, ``(N, Tc, features)`` per layer and projection — ``q``, ``k``,
-    ``v``, ``o``, ``g`` (gate), ``u`` (up) and ``down``. Each is its own tensor, so those
+    ``v``, ``o``, ``gu`` (gate and up side by side) and ``down``. Each is its own tensor, so those
     the backward does not need (q and k before rotation, o and down) are freed as the
     forward that replays them goes through the layers.
 
@@ -107,8 +107,10 @@ class DecodeActivations:
         for layer, saved in zip(model.model.layers, self.layers, strict=True):
             a = layer.self_attn
             cut = {k: v[:, :columns] for k, v in saved.items()}
+            inter = cut["gu"].shape[-1] // 2
             out.update({a.q_proj: cut["q"], a.k_proj: cut["k"], a.v_proj: cut["v"],
-                        a.o_proj: cut["o"], layer.mlp: (cut["g"], cut["u"], cut["down"])})
+                        a.o_proj: cut["o"], layer.mlp: (cut["gu"][..., :inter],
+                                                        cut["gu"][..., inter:], cut["down"])})
         return out
 
 
@@ -274,31 +276,39 @@ class LeanLlamaDecoder:
         self.saved: list[dict[str, torch.Tensor]] | None = None
         if capture:
             q, kv, H = self.nh * self.hd, self.nkv * self.hd, cfg.hidden_size
-            inter = self.layers[0][5].shape[0] // 2
+            gu = self.layers[0][5].shape[0]
             T = max_len - Lp
-            # allocated in two runs, what the update's backward needs (v, gate, up) and what
-            # its forward is done with layer by layer (q and k before rotation, o, down), so
-            # the latter leave one contiguous free region for the backward's own tensors
+            # allocated in two runs, what the update's backward needs (v, gate and up) and
+            # what its forward is done with layer by layer (q and k before rotation, o,
+            # down), so the latter leave one contiguous free region for the backward's own
             self.saved = [{} for _ in self.layers]
-            for kinds in ((("v", kv), ("g", inter), ("u", inter)),
-                          (("q", q), ("k", kv), ("o", H), ("down", H))):
+            for kinds in ((("v", kv), ("gu", gu)), (("q", q), ("k", kv), ("o", H), ("down", H))):
                 for saved in self.saved:
                     for kind, features in kinds:
-                        saved[kind] = k0.new_zeros(N, T, features)
+                        # time-major, so a step writes one contiguous block; the entries
+                        # no step writes are zeroed at the end (:meth:`activations`)
+                        saved[kind] = k0.new_empty(T, N, features)
 
-    def activations(self, columns: int) -> DecodeActivations | None:
-        """The captured outputs over the first ``columns`` completion positions."""
+    def activations(self, columns: int, end: torch.Tensor) -> DecodeActivations | None:
+        """The captured outputs over the first ``columns`` completion positions. ``end``
+        (N,): the last token of each sample, never fed to the model, so its column and
+        those after it were never written: they are zeroed (finite, and unread by a loss)."""
         if self.saved is None:
             return None
-        return DecodeActivations([{k: v[:, :columns] for k, v in d.items()}
+        cols = torch.arange(columns, device=end.device)
+        t, row = (cols[:, None] >= end[None, :]).nonzero(as_tuple=True)
+        for d in self.saved:
+            for v in d.values():
+                v[t, row] = 0
+        return DecodeActivations([{k: v[:columns].transpose(0, 1) for k, v in d.items()}
                                   for d in self.saved])
 
     def _save(self, i: int, kind: str, y: torch.Tensor, t: int) -> None:
-        buf = self.saved[i][kind]
-        if self.slots is None:
-            buf[:self.rows, t] = y
+        column = self.saved[i][kind][t]  # (N, features)
+        if self.slots is None:  # explicit ops: indexing syntax costs more per call
+            column.narrow(0, 0, self.rows).copy_(y)
         else:
-            buf[self.slots, t] = y
+            column.index_copy_(0, self.slots, y)
 
     def select(self, rows: torch.Tensor) -> None:
         n, c = len(rows), self.col  # only the columns written so far are worth moving
@@ -360,8 +370,7 @@ class LeanLlamaDecoder:
             h = h + d
             if save:
                 self._save(i, "o", o, t)
-                self._save(i, "g", g, t)
-                self._save(i, "u", u, t)
+                self._save(i, "gu", gu, t)
                 self._save(i, "down", d, t)
         self.col = c + 1
         return self.head(self.norm(h))
@@ -473,7 +482,7 @@ def generate(model, tokenizer, prompts: list[str], n: int = 1,
             break
         logits = decoder.step(tok)
     model.train(was_training)
-    activations = decoder.activations(steps) if use_lean else None
+    activations = decoder.activations(steps, end.clamp_max(steps - 1)) if use_lean else None
 
     tokens, logps = tokens[:, :steps].cpu(), logps[:, :steps].cpu()
     done, end = done.cpu(), end.cpu().clamp_max(steps - 1)
