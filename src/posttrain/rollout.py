@@ -79,9 +79,9 @@ class DecodeActivations:
     """What the sampler's forward computed, kept so the first update after sampling need not
     compute it again: for each decoder layer, the outputs of its projections at each
     completion position, ``(N, Tc, features)`` per layer and projection — ``q``, ``k``,
-    ``v``, ``o``, ``gu`` (gate and up side by side) and ``down``. Each is its own tensor, so those
-    the backward does not need (q and k before rotation, o and down) are freed as the
-    forward that replays them goes through the layers.
+    ``v``, ``o``, ``gu`` (gate and up side by side) and ``down``. Each is its own tensor,
+    so those the backward does not need (q and k before rotation, o and down) are freed as
+    the forward that replays them goes through the layers.
 
     Column ``t`` holds what the model computed on completion token ``t`` (the position
     that predicts token ``t + 1``). A row's last token, and its padding, were never fed to
@@ -342,10 +342,10 @@ class LeanLlamaDecoder:
         cos, sin = self.cos[at][:, None], self.sin[at][:, None]  # (R, 1, hd)
         bias = self.bias[:, :, :c + 1]  # (R·nh, 1, c+1)
         save, t = self.saved is not None, c - self.start  # t: the completion token fed
+        q_end, k_end = nh * hd, (nh + nkv) * hd
         for i, (n1, wqkv, bqkv, o_proj, n2, wgu, down, scaling) in enumerate(self.layers):
             qkv = F.linear(n1(h), wqkv, bqkv)
             if save:
-                q_end, k_end = nh * hd, (nh + nkv) * hd
                 self._save(i, "q", qkv[:, :q_end], t)
                 self._save(i, "k", qkv[:, q_end:k_end], t)
                 self._save(i, "v", qkv[:, k_end:], t)

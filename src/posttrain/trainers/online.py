@@ -295,7 +295,7 @@ class TokenBatch:
     taken over from the rollout (which no longer holds them, so that they are freed as soon
     as they are used up): while the policy is unchanged since sampling, its passes with
     ``replay=True`` take them instead of recomputing (:func:`modeling.replay_forward`).
-    Whoever changes the policy sets them to None.
+    The pass that precedes a change of the policy releases them (``last_replay``).
     """
 
     def __init__(self, rollout: Rollout, pad_id: int, device, share_prompt: bool):
@@ -688,7 +688,6 @@ class RLTrainer:
                         self.policy, algo, tokens, mask, idx, adv, old, ref, live,
                         cfg.micro_batch_size, cfg.max_new_tokens))
                     m.update(self._optimizer_step(self.policy, opt, "grad_norm"))
-                    tokens.activations = None  # the policy has moved on from the sampler's
                     n_steps += 1
                 if self.critic is not None:
                     m.update(accumulate_value_gradient(self.critic, algo, tokens, mask, idx,
