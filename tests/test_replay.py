@@ -65,13 +65,19 @@ def test_replayed_logprobs_and_gradients_equal_recomputed(tiny_model_dir, arch, 
             assert v.shape[:2] == unfed.shape and torch.isfinite(v).all()
             assert (v[unfed] == 0).all()
     tokens = TokenBatch(r, tok.pad_token_id, "cpu", share_prompt=True)
+    tokens.packed = False  # the two-call layout: a packed call replays nothing
     mask = tokens.completion_mask.bool()
     g = torch.Generator().manual_seed(1)
     for rows in (torch.arange(len(tokens)), torch.randperm(len(tokens), generator=g)[:11]):
         weights = torch.randn(len(rows), mask.shape[1], generator=g) * mask[rows]
         lp_replay, g_replay = _grads(model, tokens, rows, weights, replay=True)
         lp_full, g_full = _grads(model, tokens, rows, weights, replay=False)
+        # the float64 reference packed: the two-call layout's prompt call has fully masked
+        # rows at left padding, which the model's eager attention turns into NaN in float64
+        # (its softmax runs in float32, where the float64 mask value is -inf)
+        tokens.packed = True
         _, g_exact = _grads(model.double(), tokens, rows, weights.double(), replay=False)
+        tokens.packed = False
         model.float()
         assert g_full.abs().max() > 0
         torch.testing.assert_close(lp_replay, lp_full, rtol=0, atol=1e-5)
@@ -126,11 +132,20 @@ def _rl_trainer(tiny_model_dir, out, reward, data, reuse, fn="by_len", **kw):
          fn="odd_len"),
     dict(algo="grpo", kl_coef=0.04, minibatch_size=8, micro_batch_size=8),
 ])
-def test_trainer_step_same_with_and_without_reuse(tiny_model_dir, tmp_path, kw):
+def test_trainer_step_same_with_and_without_reuse(tiny_model_dir, tmp_path, kw, monkeypatch):
     """A whole step (sampling, old log-probs, several minibatches and epochs at a large
     learning rate, dynamic sampling's select and concat) moves the policy the same way with
     the sampler's outputs reused as without; after the first optimizer step the policy has
     moved, and outputs used past it would show as a different update."""
+    from posttrain.rollout import DecodeActivations
+    from posttrain.trainers import online
+
+    # rows this short would be packed into one call, which replays nothing: take two calls
+    monkeypatch.setattr(online, "packing_pays", lambda *a, **k: False)
+    replays = []
+    replay_map = DecodeActivations.replay_map
+    monkeypatch.setattr(DecodeActivations, "replay_map",
+                        lambda self, *a: replays.append(1) or replay_map(self, *a))
     reward = tmp_path / "r.py"
     reward.write_text("def by_len(prompts, completions, **_):\n"
                       "    return [float(len(c)) for c in completions]\n"
@@ -152,7 +167,44 @@ def test_trainer_step_same_with_and_without_reuse(tiny_model_dir, tmp_path, kw):
         assert record["sampling/rounds"] > 1 or kw["algo"] != "dapo"
         moved.append(torch.cat([(p.detach() - b).flatten()
                                 for p, b in zip(trainer.policy.parameters(), before, strict=True)]))
+        assert (len(replays) > 0) is reuse
+        replays.clear()
     assert moved[1].abs().max() > 1e-2
+    torch.testing.assert_close(moved[0], moved[1], rtol=0, atol=1e-5 * moved[1].abs().max())
+
+
+def test_packed_batches_replay_nothing_and_stop_the_capture(tiny_model_dir, tmp_path,
+                                                            monkeypatch):
+    """Where the shared-prompt passes are packed into one call (short rows), nothing is
+    replayed, the saved outputs are dropped, and the next rollouts are not captured; the
+    step is the one without reuse."""
+    from posttrain.trainers import online
+
+    reward = tmp_path / "r.py"
+    reward.write_text("def by_len(prompts, completions, **_):\n"
+                      "    return [float(len(c)) for c in completions]\n")
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}="}) + "\n" for i in range(8)))
+    captures = []
+    generate_ = online.generate
+    monkeypatch.setattr(online, "generate",
+                        lambda *a, capture, **k: captures.append(capture) or
+                        generate_(*a, capture=capture, **k))
+    moved = []
+    for reuse in (True, False):
+        torch.manual_seed(0)
+        trainer = _rl_trainer(tiny_model_dir, tmp_path / str(reuse), reward, data, reuse,
+                              kl_coef=0.04)
+        opt = torch.optim.SGD(trainer.policy.parameters(), lr=1.0)
+        before = [p.detach().clone() for p in trainer.policy.parameters()]
+        trainer.step(opt)
+        assert trainer.packed
+        moved.append(torch.cat([(p.detach() - b).flatten()
+                                for p, b in zip(trainer.policy.parameters(), before, strict=True)]))
+        trainer.step(opt)
+    # the first rollout with reuse was captured (packing is decided on the batch), the
+    # second was not
+    assert captures == [True, False, False, False]
     torch.testing.assert_close(moved[0], moved[1], rtol=0, atol=1e-5 * moved[1].abs().max())
 
 

@@ -499,3 +499,36 @@ def test_mlp_biases_keep_the_model_forward(tiny_model_dir):
     b = generate(model, tok, ["1+2="], 4, params, torch.Generator().manual_seed(1),
                  engine="hf")
     assert torch.equal(a.completion_ids, b.completion_ids)
+
+
+class _Scaled(torch.nn.Module):
+    """A projection with something wrapped around it (as an adapter would be)."""
+
+    def __init__(self, inner: torch.nn.Linear):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return 3.0 * self.inner(x)
+
+
+def test_wrapped_projections_keep_the_model_forward(tiny_model_dir):
+    """The lean decoder reads the projections' weights, so a model with a projection
+    wrapped in another module is decoded through the model's own forward: ``auto`` samples
+    what ``hf`` does, and differs from what the bare weights would give."""
+    from posttrain.rollout import LeanLlamaDecoder, SamplingParams, generate
+
+    tok = load_tokenizer(tiny_model_dir)
+    model = load_causal_lm(tiny_model_dir, device="cpu").eval()
+    params = SamplingParams(temperature=1.0, max_new_tokens=8)
+    prompts = ["1+2=", "17+25="]
+    bare = generate(model, tok, prompts, 4, params, torch.Generator().manual_seed(1))
+    for layer in model.model.layers:
+        layer.self_attn.o_proj = _Scaled(layer.self_attn.o_proj)
+        layer.mlp.down_proj = _Scaled(layer.mlp.down_proj)
+    assert not LeanLlamaDecoder.supports(model)
+    a = generate(model, tok, prompts, 4, params, torch.Generator().manual_seed(1))
+    b = generate(model, tok, prompts, 4, params, torch.Generator().manual_seed(1), engine="hf")
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    assert torch.equal(a.logprobs, b.logprobs)
+    assert (a.logprobs[:, 0] - bare.logprobs[:, 0]).abs().max() > 1e-3

@@ -78,10 +78,10 @@ class Rollout:
 class DecodeActivations:
     """What the sampler's forward computed, kept so the first update after sampling need not
     compute it again: for each decoder layer, the outputs of its projections at each
-    completion position, ``(N, Tc, features)`` per layer and projection — ``q``, ``k``,
-    ``v``, ``o``, ``gu`` (gate and up side by side) and ``down``. Each is its own tensor,
-    so those the backward does not need (q and k before rotation, o and down) are freed as
-    the forward that replays them goes through the layers.
+    completion position, ``(N, Tc, features)`` per layer and projection — ``qk`` (q and k
+    side by side, before rotation), ``v``, ``o``, ``gu`` (gate and up side by side) and
+    ``down``. Each is its own tensor, so those the backward does not need (q and k, o and
+    down) are freed as the forward that replays them goes through the layers.
 
     Column ``t`` holds what the model computed on completion token ``t`` (the position
     that predicts token ``t + 1``). A row's last token, and its padding, were never fed to
@@ -108,7 +108,9 @@ class DecodeActivations:
             a = layer.self_attn
             cut = {k: v[:, :columns] for k, v in saved.items()}
             inter = cut["gu"].shape[-1] // 2
-            out.update({a.q_proj: cut["q"], a.k_proj: cut["k"], a.v_proj: cut["v"],
+            q = a.q_proj.out_features
+            out.update({a.q_proj: cut["qk"][..., :q], a.k_proj: cut["qk"][..., q:],
+                        a.v_proj: cut["v"],
                         a.o_proj: cut["o"], layer.mlp: (cut["gu"][..., :inter],
                                                         cut["gu"][..., inter:], cut["down"])})
         return out
@@ -196,6 +198,14 @@ def _rms_norm(norm):
     return lambda x: F.rms_norm(x, shape, weight, eps)
 
 
+def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None,
+            out: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight_t (+ bias)``, written into ``out`` when given."""
+    if bias is None:
+        return torch.mm(x, weight_t, out=out)
+    return torch.addmm(bias, x, weight_t, out=out)
+
+
 def _layer_kv(cache, i: int) -> tuple[torch.Tensor, torch.Tensor]:
     if hasattr(cache, "layers"):  # transformers ≥ 4.56
         return cache.layers[i].keys, cache.layers[i].values
@@ -219,13 +229,25 @@ class LeanLlamaDecoder:
 
     @classmethod
     def supports(cls, model) -> bool:
+        """A Llama-family model whose decoder layers' projections are plain ``nn.Linear``
+        (the decoder reads their weights; an adapter wrapped around one would be missed)
+        and whose MLP has no biases (the fused gate/up takes none)."""
         cfg = model.config
-        return (type(model).__name__ in cls.ARCHS
+        if not (type(model).__name__ in cls.ARCHS
                 and getattr(cfg, "sliding_window", None) is None
                 and getattr(cfg, "hidden_act", "silu") == "silu"
-                and not getattr(cfg, "mlp_bias", False)  # the fused gate/up takes no bias
+                and not getattr(cfg, "mlp_bias", False)
                 and not getattr(cfg, "final_logit_softcapping", None)
-                and getattr(cfg, "pretraining_tp", 1) == 1)
+                and getattr(cfg, "pretraining_tp", 1) == 1):
+            return False
+        for layer in model.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            projections = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj,
+                           m.down_proj)
+            if any(type(x) is not torch.nn.Linear for x in projections) or any(
+                    x.bias is not None for x in projections[4:]):
+                return False
+        return True
 
     def __init__(self, model, cache, n: int, max_len: int, mask: torch.Tensor,
                  pos: torch.Tensor, capture: bool = False):
@@ -241,13 +263,16 @@ class LeanLlamaDecoder:
         self.layers = []
         for layer in base.layers:
             a, m = layer.self_attn, layer.mlp
-            wqkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
-            bqkv = (torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
-                    if a.q_proj.bias is not None else None)
-            wgu = torch.cat([m.gate_proj.weight, m.up_proj.weight])
-            self.layers.append((_rms_norm(layer.input_layernorm), wqkv, bqkv, a.o_proj,
-                                _rms_norm(layer.post_attention_layernorm), wgu, m.down_proj,
-                                a.scaling))
+            # weights transposed once (views), so a step's matmuls can write their results
+            # straight into the capture buffers (``torch.mm(..., out=)``)
+            wqk = torch.cat([a.q_proj.weight, a.k_proj.weight]).t()
+            bqk = (torch.cat([a.q_proj.bias, a.k_proj.bias]) if a.q_proj.bias is not None
+                   else None)
+            wgu = torch.cat([m.gate_proj.weight, m.up_proj.weight]).t()
+            self.layers.append((
+                _rms_norm(layer.input_layernorm), (wqk, bqk), (a.v_proj.weight.t(), a.v_proj.bias),
+                (a.o_proj.weight.t(), a.o_proj.bias), _rms_norm(layer.post_attention_layernorm),
+                (wgu, None), (m.down_proj.weight.t(), m.down_proj.bias), a.scaling))
         k0, _ = _layer_kv(cache, 0)
         P, _, Lp, _ = k0.shape
         N = P * n
@@ -269,46 +294,68 @@ class LeanLlamaDecoder:
         cos, sin = base.rotary_emb(k0, position_ids=positions)  # (1, max_len, hd)
         self.cos, self.sin = cos[0], sin[0]
         self.pos = pos  # (N,) position of each row's first decode step
-        # with ``capture``, every linear layer's output is also written to its sample's row
-        # and completion column (:class:`DecodeActivations`); ``slots`` maps cache slots to
-        # samples once rows have moved
+        # with ``capture``, each projection writes its output for step t straight into
+        # block t of a time-major buffer (:class:`DecodeActivations`), at the cache slots of
+        # the rows then active; ``slots`` maps cache slots to samples once rows have moved,
+        # and ``moves`` records from which step each such mapping held
         self.slots: torch.Tensor | None = None
+        self.moves: list[tuple[int, torch.Tensor]] = []
         self.saved: list[dict[str, torch.Tensor]] | None = None
+        self.blocks: list[dict[str, tuple[torch.Tensor, ...]]] = []
         if capture:
             q, kv, H = self.nh * self.hd, self.nkv * self.hd, cfg.hidden_size
-            gu = self.layers[0][5].shape[0]
+            gu = self.layers[0][5][0].shape[1]
             T = max_len - Lp
             # allocated in two runs, what the update's backward needs (v, gate and up) and
             # what its forward is done with layer by layer (q and k before rotation, o,
             # down), so the latter leave one contiguous free region for the backward's own
             self.saved = [{} for _ in self.layers]
-            for kinds in ((("v", kv), ("gu", gu)), (("q", q), ("k", kv), ("o", H), ("down", H))):
+            for kinds in ((("v", kv), ("gu", gu)), (("qk", q + kv), ("o", H), ("down", H))):
                 for saved in self.saved:
                     for kind, features in kinds:
-                        # time-major, so a step writes one contiguous block; the entries
-                        # no step writes are zeroed at the end (:meth:`activations`)
                         saved[kind] = k0.new_empty(T, N, features)
+            self.blocks = [{k: v.unbind(0) for k, v in d.items()} for d in self.saved]
 
     def activations(self, columns: int, end: torch.Tensor) -> DecodeActivations | None:
-        """The captured outputs over the first ``columns`` completion positions. ``end``
-        (N,): the last token of each sample, never fed to the model, so its column and
-        those after it were never written: they are zeroed (finite, and unread by a loss)."""
+        """The captured outputs over the first ``columns`` completion positions, sample by
+        sample. ``end`` (N,): the last token of each sample, never fed to the model, so its
+        column and those after it were never written: they are zeroed (finite, and unread
+        by a loss)."""
         if self.saved is None:
             return None
+        N = len(end)
+        src, dst = self._moved(columns, N, end.device)
         cols = torch.arange(columns, device=end.device)
         t, row = (cols[:, None] >= end[None, :]).nonzero(as_tuple=True)
         for d in self.saved:
             for v in d.values():
+                if src is not None:
+                    v.view(-1, v.shape[-1]).index_copy_(0, dst, v.view(-1, v.shape[-1])[src])
                 v[t, row] = 0
         return DecodeActivations([{k: v[:columns].transpose(0, 1) for k, v in d.items()}
                                   for d in self.saved])
 
-    def _save(self, i: int, kind: str, y: torch.Tensor, t: int) -> None:
-        column = self.saved[i][kind][t]  # (N, features)
-        if self.slots is None:  # explicit ops: indexing syntax costs more per call
-            column.narrow(0, 0, self.rows).copy_(y)
-        else:
-            column.index_copy_(0, self.slots, y)
+    def _moved(self, columns: int, N: int, device) -> tuple[torch.Tensor | None, ...]:
+        """Where the outputs of rows that moved to another cache slot were written, and
+        where they belong (flat ``t·N + slot`` indices of the buffers); None, None if no row
+        moved. :func:`_compaction` moves few rows: the live ones from the tail into the
+        finished ones' slots, which the step's writes then stop using; a slot past the
+        active rows is never written again, so each moved entry's destination is free."""
+        if not self.moves:
+            return None, None
+        done = min(columns, self.col - self.start)  # steps that ran
+        src, dst = [], []
+        ends = [t for t, _ in self.moves[1:]] + [done]
+        for (t0, slots), t1 in zip(self.moves, ends, strict=True):
+            t1 = min(t1, done)
+            moved = (slots != torch.arange(len(slots), device=device)).nonzero().squeeze(-1)
+            if t1 > t0 and len(moved):
+                steps = torch.arange(t0, t1, device=device)[:, None] * N
+                src.append((steps + moved).reshape(-1))
+                dst.append((steps + slots[moved]).reshape(-1))
+        if not src:
+            return None, None
+        return torch.cat(src), torch.cat(dst)
 
     def select(self, rows: torch.Tensor) -> None:
         n, c = len(rows), self.col  # only the columns written so far are worth moving
@@ -328,6 +375,7 @@ class LeanLlamaDecoder:
         self.rows = n
         if self.saved is not None:
             self.slots = rows if self.slots is None else self.slots[rows]
+            self.moves.append((self.col - self.start, self.slots))
 
     def _rope(self, x, cos, sin):  # x (R, heads, hd); cos/sin (R, 1, hd)
         half = x.shape[-1] // 2
@@ -341,18 +389,18 @@ class LeanLlamaDecoder:
         at = self.pos + (c - self.start)
         cos, sin = self.cos[at][:, None], self.sin[at][:, None]  # (R, 1, hd)
         bias = self.bias[:, :, :c + 1]  # (R·nh, 1, c+1)
-        save, t = self.saved is not None, c - self.start  # t: the completion token fed
-        q_end, k_end = nh * hd, (nh + nkv) * hd
-        for i, (n1, wqkv, bqkv, o_proj, n2, wgu, down, scaling) in enumerate(self.layers):
-            qkv = F.linear(n1(h), wqkv, bqkv)
-            if save:
-                self._save(i, "q", qkv[:, :q_end], t)
-                self._save(i, "k", qkv[:, q_end:k_end], t)
-                self._save(i, "v", qkv[:, k_end:], t)
-            qkv = qkv.view(R, nh + 2 * nkv, hd)
-            qk = self._rope(qkv[:, :nh + nkv], cos, sin)  # q and k rotated in one pass
+        t = c - self.start  # the completion token fed: capture block t
+        for i, (n1, wqk, wv, wo, n2, wgu, wdown, scaling) in enumerate(self.layers):
+            out = None
+            if self.blocks:
+                out = {k: v[t] if len(v[t]) == R else v[t].narrow(0, 0, R)
+                       for k, v in self.blocks[i].items()}
+            x = n1(h)
+            qk = _linear(x, *wqk, out and out["qk"])
+            v = _linear(x, *wv, out and out["v"])
+            qk = self._rope(qk.view(R, nh + nkv, hd), cos, sin)  # q and k rotated in one pass
             self.k[i, :R, :, c] = qk[:, nh:]
-            self.v[i, :R, :, c] = qkv[:, nh + nkv:]
+            self.v[i, :R, :, c] = v.view(R, nkv, hd)
             K, V = self.k[i, :R, :, :c + 1], self.v[i, :R, :, :c + 1]  # (R, nkv, c+1, hd)
             if nkv != nh:
                 K = K.repeat_interleave(nh // nkv, dim=1)
@@ -362,40 +410,24 @@ class LeanLlamaDecoder:
             scores = torch.baddbmm(bias, qk[:, :nh].reshape(R * nh, 1, hd), K.transpose(1, 2),
                                    alpha=scaling)
             a = torch.bmm(scores.softmax(-1), V)  # (R·nh, 1, hd)
-            o = o_proj(a.view(R, nh * hd))
-            h = h + o
-            gu = F.linear(n2(h), wgu)
-            g, u = gu.chunk(2, dim=-1)
-            d = down(F.silu(g) * u)
-            h = h + d
-            if save:
-                self._save(i, "o", o, t)
-                self._save(i, "gu", gu, t)
-                self._save(i, "down", d, t)
+            h = h + _linear(a.view(R, nh * hd), *wo, out and out["o"])
+            g, u = _linear(n2(h), *wgu, out and out["gu"]).chunk(2, dim=-1)
+            h = h + _linear(F.silu(g) * u, *wdown, out and out["down"])
         self.col = c + 1
         return self.head(self.norm(h))
 
 
 def can_replay(model) -> bool:
     """Whether the update's forward may take ``model``'s projections from its lean sampler
-    (:class:`DecodeActivations`): a model the lean decoder runs, whose decoder layers'
-    projections are plain ``nn.Linear`` (no adapter wrapped around them) in the MLP that
-    ``modeling.replay_forward`` knows, and whose training forward computes what sampling
-    computed (no dropout, no gradient checkpointing)."""
-    if not LeanLlamaDecoder.supports(model) or any(
-            getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
-        return False
-    if getattr(model.config, "attention_dropout", 0.0) or any(
-            isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
-        return False
-    for layer in model.model.layers:
-        a, m = layer.self_attn, layer.mlp
-        projections = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj,
-                       m.down_proj)
-        if any(type(x) is not torch.nn.Linear for x in projections) or any(
-                x.bias is not None for x in projections[4:]):
-            return False
-    return True
+    (:class:`DecodeActivations`): a model the lean decoder runs (plain ``nn.Linear``
+    projections, a bias-free SwiGLU MLP that ``modeling.replay_forward`` knows), whose
+    training forward computes what sampling computed (no dropout, no gradient
+    checkpointing)."""
+    checkpointing = any(getattr(m, "gradient_checkpointing", False) is True
+                        for m in model.modules())
+    dropout = getattr(model.config, "attention_dropout", 0.0) or any(
+        isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
+    return LeanLlamaDecoder.supports(model) and not checkpointing and not dropout
 
 
 def _compaction(live: torch.Tensor) -> torch.Tensor:
