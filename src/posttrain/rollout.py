@@ -292,7 +292,12 @@ class LeanLlamaDecoder:
         self.bias = bias.repeat_interleave(self.nh, dim=0)[:, None]  # (N·nh, 1, max_len)
         positions = torch.arange(max_len, device=k0.device)[None]
         cos, sin = base.rotary_emb(k0, position_ids=positions)  # (1, max_len, hd)
-        self.cos, self.sin = cos[0], sin[0]
+        # rotate_half(x) = (-x2, x1) is x rolled by half a head with the first half negated:
+        # the sign goes into sin once, so a step rotates with one roll and an addcmul
+        half = self.hd // 2
+        sign = torch.ones(self.hd, dtype=sin.dtype, device=sin.device)
+        sign[:half] = -1
+        self.cos, self.sin = cos[0], sin[0] * sign
         self.pos = pos  # (N,) position of each row's first decode step
         # with ``capture``, each projection writes its output for step t straight into
         # block t of a time-major buffer (:class:`DecodeActivations`), at the cache slots of
@@ -377,10 +382,8 @@ class LeanLlamaDecoder:
             self.slots = rows if self.slots is None else self.slots[rows]
             self.moves.append((self.col - self.start, self.slots))
 
-    def _rope(self, x, cos, sin):  # x (R, heads, hd); cos/sin (R, 1, hd)
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+    def _rope(self, x, cos, sin):  # x (R, heads, hd); cos/sin (R, 1, hd), sin signed
+        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)
 
     def step(self, tok: torch.Tensor) -> torch.Tensor:
         F, R, c = self.F, self.rows, self.col
