@@ -64,17 +64,24 @@ def run_comparisons(script: str, args, work) -> list[tuple]:
 
 def print_comparison(title: str, table: list[tuple], digits: int, run_time: bool) -> None:
     """The markdown table of :func:`run_comparisons` rows: step times, speed-up, (whole-run
-    times,) peak RSS."""
+    times,) peak RSS. The speed-up is given three ways, because a shared machine's speed
+    drifts by tens of percent within minutes: the ratio of the two libraries' medians; the
+    median (and range) of the per-repeat ratios, each of two runs made back to back; and
+    the ratio of each library's fastest run, the one least slowed by other load."""
     total = " TRL run s | posttrain run s |" if run_time else ""
     print(title)
-    print(f"| model | setting | TRL s/step | posttrain s/step | speed-up |{total} "
-          "TRL peak RSS MiB | posttrain peak RSS MiB |")
-    print("|---" * (9 if run_time else 7) + "|")
+    print(f"| model | setting | TRL s/step | posttrain s/step | speed-up | per-repeat ratios | "
+          f"fastest runs |{total} TRL peak RSS MiB | posttrain peak RSS MiB |")
+    print("|---" * (11 if run_time else 9) + "|")
     for size, setting, trl, pt in table:
         runs = f" {trl['total_s']:.1f} | {pt['total_s']:.1f} |" if run_time else ""
+        ratios = sorted(a / b for a, b in zip(trl["step_s_runs"], pt["step_s_runs"],
+                                              strict=True))
         print(f"| {size} | {setting} | {trl['step_s']:.{digits}f} | {pt['step_s']:.{digits}f} | "
-              f"{trl['step_s'] / pt['step_s']:.2f}x |{runs} {trl['rss_mib']:.0f} | "
-              f"{pt['rss_mib']:.0f} |")
+              f"{trl['step_s'] / pt['step_s']:.2f}x | {statistics.median(ratios):.2f}x "
+              f"({ratios[0]:.2f}-{ratios[-1]:.2f}) | "
+              f"{min(trl['step_s_runs']) / min(pt['step_s_runs']):.2f}x |{runs} "
+              f"{trl['rss_mib']:.0f} | {pt['rss_mib']:.0f} |")
 
 
 def alternate(script: str, size: str, setting: str, repeats: int, child_args: list[str],
@@ -82,7 +89,8 @@ def alternate(script: str, size: str, setting: str, repeats: int, child_args: li
     """Run ``script --child IMPL SIZE SETTING *child_args`` for both libraries, alternating
     which goes first; each child prints ``RESULT {"step_s": [...], ...}``. Returns, per
     library, the medians over repeats of: the median step after ``warmup`` (``step_s``), the
-    peak RSS (``rss_mib``) and, when reported, the whole run (``total_s``)."""
+    peak RSS (``rss_mib``) and, when reported, the whole run (``total_s``); and each
+    repeat's median step (``step_s_runs``)."""
     env = child_env()
     runs: dict[str, list[dict]] = {impl: [] for impl in IMPLS}
     for rep in range(repeats):
@@ -100,5 +108,6 @@ def alternate(script: str, size: str, setting: str, repeats: int, child_args: li
             runs[impl].append(run)
             print(f"{size:>6} {setting:>9} rep {rep} {impl:>9}: {run['step_s']:.4f} s/step, "
                   f"peak RSS {peak:.0f} MiB", file=sys.stderr)
-    return {impl: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+    return {impl: {**{k: statistics.median(r[k] for r in rs) for k in rs[0]},
+                   "step_s_runs": [r["step_s"] for r in rs]}
             for impl, rs in runs.items()}
