@@ -216,13 +216,14 @@ class LeanLlamaDecoder:
     """Incremental decoding for Llama-family models over a preallocated (static) KV cache.
 
     It reads the model's own modules and weights — norms, rotary tables, projections, LM
-    head — but runs one decode step as a short sequence of tensor ops: the q/k/v projections
-    fused into one matmul, gate and up into another, keys and values written in place into
-    buffers sized for the whole rollout, and no attention-mask construction beyond one
-    boolean row mask. Prefill stays with the model's forward; its cache is copied into the
-    buffers. Exactness against the model's forward is tested (greedy tokens identical,
-    log-probs to float rounding). Fused weights are built per call, so they always match
-    the current policy.
+    head — but runs one decode step as a short sequence of tensor ops: the q and k
+    projections fused into one matmul (v apart, so that a capture keeps v, which the
+    update's backward needs, apart from q and k, which it frees), gate and up into another,
+    keys and values written in place into buffers sized for the whole rollout, and no
+    attention-mask construction beyond one additive row bias. Prefill stays with the
+    model's forward; its cache is copied into the buffers. Exactness against the model's
+    forward is tested (greedy tokens identical, log-probs to float rounding). Fused weights
+    are built per call, so they always match the current policy.
     """
 
     ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
