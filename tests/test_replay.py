@@ -115,6 +115,19 @@ def test_not_replayed_where_the_forward_differs(tiny_model_dir):
     assert not can_replay(model)
 
 
+def _task_files(tmp_path):
+    """A reward file (``by_len``, and ``odd_len``: zero for half the prompts) and 8 prompts."""
+    reward = tmp_path / "r.py"
+    reward.write_text("def by_len(prompts, completions, **_):\n"
+                      "    return [float(len(c)) for c in completions]\n"
+                      "def odd_len(prompts, completions, **_):\n"
+                      "    return [float(len(c) * (int(p[0]) % 2)) for p, c in\n"
+                      "            zip(prompts, completions)]\n")
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}="}) + "\n" for i in range(8)))
+    return reward, data
+
+
 def _rl_trainer(tiny_model_dir, out, reward, data, reuse, fn="by_len", **kw):
     cfg = RLConfig(model=tiny_model_dir, output_dir=str(out), max_steps=1, prompts_per_step=2,
                    group_size=4, max_new_tokens=6, builtin_eval_size=0, eval_every=0,
@@ -146,14 +159,7 @@ def test_trainer_step_same_with_and_without_reuse(tiny_model_dir, tmp_path, kw, 
     replay_map = DecodeActivations.replay_map
     monkeypatch.setattr(DecodeActivations, "replay_map",
                         lambda self, *a: replays.append(1) or replay_map(self, *a))
-    reward = tmp_path / "r.py"
-    reward.write_text("def by_len(prompts, completions, **_):\n"
-                      "    return [float(len(c)) for c in completions]\n"
-                      "def odd_len(prompts, completions, **_):\n"
-                      "    return [float(len(c) * (int(p[0]) % 2)) for p, c in\n"
-                      "            zip(prompts, completions)]\n")
-    data = tmp_path / "p.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}="}) + "\n" for i in range(8)))
+    reward, data = _task_files(tmp_path)
     moved = []
     for reuse in (True, False):
         torch.manual_seed(0)
@@ -180,11 +186,7 @@ def test_packed_batches_replay_nothing_and_stop_the_capture(tiny_model_dir, tmp_
     step is the one without reuse."""
     from posttrain.trainers import online
 
-    reward = tmp_path / "r.py"
-    reward.write_text("def by_len(prompts, completions, **_):\n"
-                      "    return [float(len(c)) for c in completions]\n")
-    data = tmp_path / "p.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}="}) + "\n" for i in range(8)))
+    reward, data = _task_files(tmp_path)
     captures = []
     generate_ = online.generate
     monkeypatch.setattr(online, "generate",

@@ -302,9 +302,8 @@ class LeanLlamaDecoder:
         self.pos = pos  # (N,) position of each row's first decode step
         # with ``capture``, each projection writes its output for step t straight into
         # block t of a time-major buffer (:class:`DecodeActivations`), at the cache slots of
-        # the rows then active; ``slots`` maps cache slots to samples once rows have moved,
-        # and ``moves`` records from which step each such mapping held
-        self.slots: torch.Tensor | None = None
+        # the rows then active; once rows have moved, ``moves`` records each mapping of
+        # cache slots to samples and the step from which it held
         self.moves: list[tuple[int, torch.Tensor]] = []
         self.saved: list[dict[str, torch.Tensor]] | None = None
         self.blocks: list[dict[str, tuple[torch.Tensor, ...]]] = []
@@ -336,7 +335,8 @@ class LeanLlamaDecoder:
         for d in self.saved:
             for v in d.values():
                 if src is not None:
-                    v.view(-1, v.shape[-1]).index_copy_(0, dst, v.view(-1, v.shape[-1])[src])
+                    flat = v.view(-1, v.shape[-1])
+                    flat.index_copy_(0, dst, flat[src])
                 v[t, row] = 0
         return DecodeActivations([{k: v[:columns].transpose(0, 1) for k, v in d.items()}
                                   for d in self.saved])
@@ -380,8 +380,8 @@ class LeanLlamaDecoder:
         self.pos = self.pos[:n]
         self.rows = n
         if self.saved is not None:
-            self.slots = rows if self.slots is None else self.slots[rows]
-            self.moves.append((self.col - self.start, self.slots))
+            slots = rows if not self.moves else self.moves[-1][1][rows]
+            self.moves.append((self.col - self.start, slots))
 
     def _rope(self, x, cos, sin):  # x (R, heads, hd); cos/sin (R, 1, hd), sin signed
         return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)

@@ -330,10 +330,13 @@ class TokenBatch:
     def _packed_for(self, model) -> bool:
         """One packing decision for the whole batch (see :func:`shared_prompt_logprobs`), so
         the old, reference, critic and update passes all take the same path and the first
-        update's ratio is exactly 1 in any precision."""
+        update's ratio is exactly 1 in any precision. A packed call replays nothing, so the
+        sampler's saved outputs are dropped then."""
         if self.packed is None:
             self.packed = packing_pays(model, self.prompt_mask, self.completion_mask,
                                      self.prompt_index)
+            if self.packed:
+                self.activations = None
         return self.packed
 
     def _shared(self, model, rows: torch.Tensor) -> tuple[tuple, dict]:
@@ -355,11 +358,10 @@ class TokenBatch:
             args, kw = self._shared(model, rows)
             if replay and self.activations is not None:
                 saved = self.activations
-                if last_replay or kw["packed"]:  # the packed call replays nothing
+                if last_replay:
                     self.activations = None
-                if not kw["packed"]:
-                    kw["replay"] = saved.rows(rows).replay_map(model,
-                                                                   self.completion_ids.shape[1])
+                kw["replay"] = saved.rows(rows).replay_map(model,
+                                                               self.completion_ids.shape[1])
                 del saved
             return shared_prompt_logprobs(model, *args, with_entropy=with_entropy, **kw)
         out = completion_logprobs(model, self.full["input_ids"][rows],
