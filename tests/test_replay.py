@@ -184,9 +184,12 @@ def test_packed_batches_replay_nothing_and_stop_the_capture(tiny_model_dir, tmp_
     """Where the shared-prompt passes are packed into one call (short rows), nothing is
     replayed, the saved outputs are dropped, and the next rollouts are not captured; the
     step is the one without reuse."""
+    from posttrain.rollout import DecodeActivations
     from posttrain.trainers import online
 
     reward, data = _task_files(tmp_path)
+    monkeypatch.setattr(DecodeActivations, "replay_map",
+                        lambda *a: pytest.fail("a packed batch replayed the sampler's outputs"))
     captures = []
     generate_ = online.generate
     monkeypatch.setattr(online, "generate",
