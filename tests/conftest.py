@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 import torch
+
+# torch.compile caches its CPU kernels on disk keyed by the machine, not by
+# ATEN_CPU_CAPABILITY: a run under another capability would load kernels built for the
+# first one (seen: NaN log-probs under avx2 from kernels built for avx512). One cache per
+# capability keeps the suite's runs under different kernels apart.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+    tempfile.gettempdir(), f"posttrain-inductor-{os.environ.get('ATEN_CPU_CAPABILITY', 'native')}"))
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,7 @@ from transformers import (
     AutoTokenizer,
 )
 
+from bounds import model_inner, model_stages, rel_bound
 from posttrain.data import pad_sequences
 from posttrain.modeling import (
     completion_logprobs,
@@ -364,8 +365,9 @@ def _attention_used(model, **inputs) -> tuple[list[str], torch.Tensor]:
 @pytest.mark.parametrize("length", [30, 200])
 def test_short_inputs_run_eager_attention_as_exact_as_sdpa(length):
     """On the CPU a loaded model runs eager attention up to EAGER_ATTENTION_MAX_KEYS keys and
-    SDPA above. Against a float64 model, its values and every gradient are as close as a
-    plain float32 SDPA model's (the two differ from each other by summation order only)."""
+    SDPA above. Against a float64 model, its values and every gradient meet the float32
+    error bound of the computation, as a plain float32 SDPA model's do (the two differ by
+    summation order only)."""
     from posttrain.modeling import EAGER_ATTENTION_MAX_KEYS, builtin_model_dir
 
     ours = load_causal_lm("builtin", device="cpu")
@@ -391,9 +393,11 @@ def test_short_inputs_run_eager_attention_as_exact_as_sdpa(length):
     pairs = [("logits", a[keep], b[keep], c[keep])] + [
         (name, p.grad, q.grad, r.grad) for (name, p), q, r in
         zip(ours.named_parameters(), plain.parameters(), exact.parameters(), strict=True)]
+    # both float32 paths meet the same bound against float64 (forward + backward)
+    bound = rel_bound(model_stages(ours.config), model_inner(ours.config, length))
     for name, x, y, z in pairs:
-        assert err(x, z) <= max(2 * err(y, z), 1e-6), name
-        assert err(x, z) < 1e-4, name
+        assert err(x, z) <= bound, (name, err(x, z), bound)
+        assert err(y, z) <= bound, (name, err(y, z), bound)
 
 
 def test_key_length_counts_cached_positions():

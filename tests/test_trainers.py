@@ -9,8 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+)
 
+from bounds import model_inner, model_stages, rel_bound
 from posttrain import config
 from posttrain.core.preference import DPO_LOSS_TYPES
 from posttrain.data import DataError
@@ -193,16 +199,14 @@ def test_grad_accum_invariance(tiny_model_dir, tmp_path):
     run_sft(make(SFTConfig, tiny_model_dir, tmp_path / "c", batch_size=2, grad_accum=4, **kw))
     a, b, c = (train_records(tmp_path / x)[1] for x in "abc")
     # loss and gradient norm are normalised over the whole step's tokens
-    assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-6)
-    assert c["train/loss"] == pytest.approx(a["train/loss"], rel=1e-6)
-    assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-5)
-    assert c["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-5)
-    start = weights(Path(tiny_model_dir))
-    wa, wb, wc = (weights(tmp_path / x / "final") for x in "abc")
-    assert any((wa[k] - start[k]).abs().max() > 1e-4 for k in start)  # the step did move
-    for k in wa:
-        torch.testing.assert_close(wb[k], wa[k], atol=1e-6, rtol=0)
-        torch.testing.assert_close(wc[k], wa[k], atol=1e-6, rtol=0)
+    cfg = AutoConfig.from_pretrained(tiny_model_dir)
+    tol = 2 * rel_bound(model_stages(cfg), model_inner(cfg, 64))  # two float32 computations
+    for x in (b, c):
+        assert x["train/loss"] == pytest.approx(a["train/loss"], rel=tol)
+        assert x["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=tol)
+    # Weights are not compared: AdamW's first step is ≈ lr·sign(g), so a gradient entry
+    # near zero whose rounding differs between the splits moves by a full lr. The test
+    # below compares the parameters after a plain SGD step, which are -lr·g.
 
 
 def test_grad_accum_changes_nothing_in_the_gradient(tiny_model_dir, tmp_path, monkeypatch):
@@ -228,9 +232,12 @@ def test_grad_accum_changes_nothing_in_the_gradient(tiny_model_dir, tmp_path, mo
         params.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     start = torch.cat([p.flatten() for p in load_causal_lm(tiny_model_dir, device="cpu")
                        .parameters()]).detach()
-    assert (params[0] - start).abs().max() > 1e-3
-    torch.testing.assert_close(params[1], params[0], atol=1e-6, rtol=0)
-    torch.testing.assert_close(params[2], params[0], atol=1e-6, rtol=0)
+    moved = params[0] - start  # = -g (lr 1)
+    assert moved.abs().max() > 1e-3
+    cfg = AutoConfig.from_pretrained(tiny_model_dir)
+    tol = 2 * rel_bound(model_stages(cfg), model_inner(cfg, 64))  # two float32 computations
+    for p in params[1:]:
+        assert float((p - params[0]).norm() / moved.norm()) <= tol
 
 
 def test_dpo_shared_prompt_matches_full_sequences(tiny_model_dir, tmp_path):
