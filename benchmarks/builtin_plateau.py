@@ -18,7 +18,7 @@ from pathlib import Path
 from posttrain.builtin import task
 from posttrain.builtin.build import SFT
 from posttrain.evaluate import evaluate_policy
-from posttrain.modeling import load_causal_lm, load_tokenizer
+from posttrain.models import load_causal_lm, load_tokenizer
 from posttrain.trainers.offline import SFTConfig, run_sft
 
 

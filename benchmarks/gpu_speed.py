@@ -34,7 +34,7 @@ def quick_start(work: Path, dtype: str) -> dict:
 
     out = work / f"quick-{dtype}"
     cfg = RLConfig(output_dir=str(out), device="cuda", dtype=dtype, tensorboard=False,
-                   log_every=1000)
+                   log_every=1)
     cfg.validate()
     start = time.perf_counter()
     last = run_rl(cfg)
@@ -43,7 +43,7 @@ def quick_start(work: Path, dtype: str) -> dict:
     return {"what": "quick_start", "dtype": dtype, "steps": cfg.max_steps,
             "accuracy_before": first.get("eval/accuracy"),
             "accuracy_after": last.get("eval/accuracy"), "wall_s": round(wall, 1),
-            **_median_rows(out, ("time/step_s", "time/generate_s", "time/train_s"), 2)}
+            **_median_rows(out, ("time/step_s", "time/generate_s", "time/update_s"), 2)}
 
 
 def grpo_step(work: Path, size: str, dtype: str, steps: int, compile: bool = False) -> dict:
@@ -58,11 +58,11 @@ def grpo_step(work: Path, size: str, dtype: str, steps: int, compile: bool = Fal
     cfg = RLConfig(model=str(model_dir), output_dir=str(out), algo="grpo", max_steps=steps,
                    prompts_per_step=8, group_size=8, max_new_tokens=32, lr=1e-5,
                    kl_coef=0.04, minibatch_size=64, micro_batch_size=64, device="cuda",
-                   dtype=dtype, builtin_eval_size=0, eval_every=0, log_every=1000,
+                   dtype=dtype, builtin_eval_size=0, eval_every=0, log_every=1,
                    tensorboard=False, compile=compile)
     cfg.validate()
     run_rl(cfg)
-    keys = ("time/step_s", "time/generate_s", "time/score_s", "time/train_s",
+    keys = ("time/step_s", "time/generate_s", "time/reward_s", "time/update_s",
             "time/tokens_per_s", "completion/length_mean")
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     first = next(r["time/step_s"] for r in rows if "time/step_s" in r)
@@ -73,7 +73,7 @@ def grpo_step(work: Path, size: str, dtype: str, steps: int, compile: bool = Fal
 def rollout(work: Path, size: str, dtype: str) -> dict:
     """64 completions × 32 tokens: the lean decoder against ``model.generate``."""
     from posttrain.builtin import task
-    from posttrain.modeling import load_causal_lm, load_tokenizer
+    from posttrain.models import load_causal_lm, load_tokenizer
     from posttrain.rollout import SamplingParams, generate
 
     model_dir = work / f"model-{size}"

@@ -56,7 +56,7 @@ def _run_posttrain(model_dir, steps, setting, out) -> dict:
 
     kw = dict(model=str(model_dir), output_dir=str(out), algo="grpo", max_steps=steps,
               prompts_per_step=PROMPTS, group_size=G, max_new_tokens=NEW, lr=LR,
-              builtin_eval_size=0, eval_every=0, log_every=1000, device="cpu",
+              builtin_eval_size=0, eval_every=0, log_every=1, device="cpu",
               tensorboard=False)
     if setting.startswith("identical") or setting == "compiled":
         kw.update(kl_coef=BETA, minibatch_size=PROMPTS * G, micro_batch_size=PROMPTS * G)
@@ -75,7 +75,7 @@ def _run_trl(model_dir, steps, setting, out) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from posttrain.builtin import task
-    from posttrain.runtime import keep_freed_memory
+    from posttrain.fast.memory import keep_freed_memory
 
     if setting == "identical_malloc":
         keep_freed_memory()

@@ -20,7 +20,7 @@ import time
 from posttrain import config
 from posttrain.builtin import task
 from posttrain.evaluate import evaluate_policy
-from posttrain.modeling import load_causal_lm, load_tokenizer
+from posttrain.models import load_causal_lm, load_tokenizer
 from posttrain.trainers.offline import DPOConfig, RMConfig, run_dpo, run_rm
 
 

@@ -29,7 +29,7 @@ def main() -> int:
     for algo in args.algos:
         out = Path(args.out) / algo
         cfg = RLConfig(algo=algo, output_dir=str(out), max_steps=args.steps,
-                       eval_every=args.eval_every, log_every=args.eval_every, device="cpu",
+                       eval_every=args.eval_every, log_every=1, device="cpu",
                        tensorboard=False)
         cfg.validate()
         run_rl(cfg)

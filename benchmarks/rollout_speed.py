@@ -37,7 +37,7 @@ def _hf_generate(model, tok, prompts, n, new_tokens, seed):
 
 def _measure(path: str, P: int, G: int, T: int, repeats: int) -> dict[str, float]:
     from posttrain.builtin import task
-    from posttrain.modeling import load_causal_lm, load_tokenizer
+    from posttrain.models import load_causal_lm, load_tokenizer
     from posttrain.rollout import SamplingParams, generate
 
     model, tok = load_causal_lm(path, device="cpu"), load_tokenizer(path)

@@ -30,13 +30,13 @@ def main() -> int:
         for skip in ((True, False) if rep % 2 == 0 else (False, True)):
             out = work / f"{skip}-{rep}"
             cfg = RLConfig(algo=args.algo, output_dir=str(out), max_steps=args.steps,
-                           eval_every=0, log_every=1000, device="cpu", tensorboard=False,
+                           eval_every=0, log_every=1, device="cpu", tensorboard=False,
                            skip_zero_advantage=skip)
             cfg.validate()
             final = run_rl(cfg)
             rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-            rows = [r for r in rows if "time/train_s" in r]
-            res[skip].append((sum(r["time/train_s"] for r in rows),
+            rows = [r for r in rows if "time/update_s" in r]
+            res[skip].append((sum(r["time/update_s"] for r in rows),
                               statistics.mean(r["samples/backward_frac"] for r in rows),
                               final["eval/accuracy"]))
     print(f"{args.algo}, {args.steps} steps, median of {args.repeats} alternating runs")

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from posttrain.data import pad_sequences
-from posttrain.modeling import compile_pointwise_blocks, completion_logprobs, load_causal_lm
+from posttrain.fast.compile import compile_pointwise_blocks
+from posttrain.models import completion_logprobs, load_causal_lm
 
 
 def _logprobs_and_grad(model, device: str) -> tuple[torch.Tensor, torch.Tensor]:

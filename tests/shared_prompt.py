@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from posttrain.data import pad_sequences, pad_shared_prompts
-from posttrain.modeling import completion_logprobs, shared_prompt_logprobs
+from posttrain.models import completion_logprobs, shared_prompt_logprobs
 
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]  # left padding matters: different lengths
 COMPLETIONS = [[20, 21], [22], [23, 24, 25], [30], [31, 32, 33], [34, 35]]  # k = 2 each

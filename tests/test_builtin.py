@@ -2,7 +2,7 @@
 
 from posttrain.builtin import task
 from posttrain.evaluate import evaluate_policy
-from posttrain.modeling import load_causal_lm, load_tokenizer
+from posttrain.models import load_causal_lm, load_tokenizer
 
 
 def test_builtin_model_is_small_and_on_its_plateau():

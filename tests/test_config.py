@@ -7,23 +7,24 @@ import dataclasses
 import pytest
 
 from posttrain import config
-from posttrain.config import ConfigError, TrainConfig
+from posttrain.config import ConfigError, OfflineConfig
 from posttrain.trainers.offline import DPOConfig, RMConfig, SFTConfig
 
-CLASSES = [TrainConfig, SFTConfig, RMConfig, DPOConfig]
+CLASSES = [OfflineConfig, SFTConfig, RMConfig, DPOConfig]
 
 
 @pytest.mark.parametrize("cls", CLASSES)
 def test_defaults_validate(cls):
     cfg = config.load(cls)
-    assert cfg == cls()
+    expected = cls(output_dir=f"runs/{cls.COMMAND}")  # decided at validation
+    assert cfg == expected
 
 
 def test_subclass_defaults_differ_from_base():
     assert SFTConfig().batch_size == 32
-    assert DPOConfig().lr == 1e-5
-    assert RMConfig().epochs == 2.0
-    assert DPOConfig().beta == 0.1
+    assert DPOConfig().lr == 2e-5
+    assert RMConfig().epochs == 6.0
+    assert DPOConfig().beta == 0.5
 
 
 def test_yaml_then_overrides(tmp_path):
@@ -132,7 +133,7 @@ def test_yaml_not_a_mapping(tmp_path, text):
 def test_empty_yaml_is_defaults(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("")
-    assert config.load(SFTConfig, str(path)) == SFTConfig()
+    assert config.load(SFTConfig, str(path)) == SFTConfig(output_dir="runs/sft")
 
 
 def test_missing_config_file(tmp_path):
@@ -162,7 +163,7 @@ def test_field_docs_cover_every_field(cls):
 def test_field_docs_text():
     docs = config.field_docs(DPOConfig)
     assert docs["beta"] == "β: strength of the implicit KL constraint."
-    assert docs["lr"] == "Peak learning rate (AdamW)."  # inherited from TrainConfig
+    assert docs["lr"] == "Peak learning rate (AdamW)."  # inherited from RunConfig
 
 
 @pytest.mark.parametrize("cls", CLASSES)
@@ -171,6 +172,7 @@ def test_dump_load_round_trip(tmp_path, cls):
               warmup_ratio=0.0)
     if cls is DPOConfig:
         cfg.ref_model, cfg.loss_type, cfg.precompute_ref = "ref", "hinge", False
+    cfg.validate()
     path = tmp_path / "c.yaml"
     config.dump(cfg, path)
     assert config.load(cls, str(path)) == cfg

@@ -14,7 +14,7 @@ import torch
 
 from compiled import compiled_errors
 from posttrain.data import pad_sequences
-from posttrain.modeling import completion_logprobs, load_causal_lm, load_tokenizer
+from posttrain.models import completion_logprobs, load_causal_lm, load_tokenizer
 from posttrain.rollout import SamplingParams, generate
 from shared_prompt import assert_shared_prompt_equals_full
 

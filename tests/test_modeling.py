@@ -14,7 +14,8 @@ from transformers import (
 
 from bounds import model_inner, model_stages, rel_bound
 from posttrain.data import pad_sequences
-from posttrain.modeling import (
+from posttrain.fast import prepare_model
+from posttrain.models import (
     completion_logprobs,
     load_causal_lm,
     load_reward_model,
@@ -97,7 +98,7 @@ def test_completion_logprobs_non_plain_head_path(lm, monkeypatch):
     _, _, batch = random_batch(3, [(2, 3), (4, 2)])
     with torch.no_grad():
         fast = completion_logprobs(lm, **batch)
-        monkeypatch.setattr("posttrain.modeling.has_plain_head", lambda model: False)
+        monkeypatch.setattr("posttrain.models.logprobs.has_plain_head", lambda model: False)
         slow = completion_logprobs(lm, **batch)
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
 
@@ -148,10 +149,10 @@ def test_save_model_reloads_with_plain_transformers(lm, tok, tmp_path):
     assert "model.safetensors" in files
     assert not any(f.endswith((".bin", ".pt", ".pth", ".pkl")) for f in files)
     assert "eager" not in (tmp_path / "out" / "config.json").read_text()  # a runtime choice
-    # ``lm`` runs short inputs with eager attention (eager_attention_for_short_inputs), so the
-    # bit-exact comparison reloads with the same implementation
+    # ``lm`` is loaded as plain transformers would (sdpa), so the bit-exact comparison
+    # reloads with the same implementation
     model2 = AutoModelForCausalLM.from_pretrained(tmp_path / "out",
-                                                  attn_implementation="eager").eval()
+                                                  attn_implementation="sdpa").eval()
     tok2 = AutoTokenizer.from_pretrained(tmp_path / "out")
     _, _, batch = random_batch(5, [(3, 4), (2, 2)])
     with torch.no_grad():
@@ -203,7 +204,7 @@ def test_byte_tokenizer_round_trip_after_save(tok, tmp_path):
 
 
 def test_builtin_missing_model_message(monkeypatch, tmp_path):
-    import posttrain.modeling as modeling
+    import posttrain.models.loading as modeling
 
     monkeypatch.setattr(modeling, "builtin_model_dir", lambda: Path(tmp_path / "none"))
     with pytest.raises(FileNotFoundError, match="rebuild"):
@@ -217,7 +218,7 @@ def test_shared_prompt_logprobs_equal_full_sequences(tiny_model_dir, packed, att
     completions) gives the same per-sequence log-likelihoods and parameter gradients as the
     concatenated full sequences, packed into one call (with the 4-D mask in either
     attention implementation's form) or in two calls."""
-    from posttrain.modeling import load_causal_lm
+    from posttrain.models import load_causal_lm
     from shared_prompt import assert_shared_prompt_equals_full
 
     model = load_causal_lm(tiny_model_dir, device="cpu")
@@ -232,7 +233,7 @@ def test_shared_prompt_logprobs_prompt_index_uneven(tiny_model_dir, packed):
     import torch
 
     from posttrain.data import pad_left, pad_sequences
-    from posttrain.modeling import completion_logprobs, load_causal_lm, shared_prompt_logprobs
+    from posttrain.models import completion_logprobs, load_causal_lm, shared_prompt_logprobs
 
     model = load_causal_lm(tiny_model_dir, device="cpu")
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
@@ -276,13 +277,8 @@ def test_compiled_pointwise_blocks_match_eager(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from posttrain.data import pad_sequences, pad_shared_prompts
-    from posttrain.modeling import (
-        compile_pointwise_blocks,
-        compile_unsupported,
-        completion_logprobs,
-        load_causal_lm,
-        shared_prompt_logprobs,
-    )
+    from posttrain.fast.compile import compile_pointwise_blocks, compile_unsupported
+    from posttrain.models import completion_logprobs, load_causal_lm, shared_prompt_logprobs
 
     if compile_unsupported(torch.device("cpu")):
         pytest.skip(compile_unsupported(torch.device("cpu")))
@@ -337,7 +333,7 @@ def test_compiled_pointwise_blocks_bfloat16_as_close_to_float32_as_eager():
     float32 model they stay about as close as eager bfloat16 does (log-probs and the whole
     gradient, relative error norm)."""
     from compiled import compiled_errors
-    from posttrain.modeling import compile_unsupported
+    from posttrain.fast.compile import compile_unsupported
 
     if compile_unsupported(torch.device("cpu")):
         pytest.skip(compile_unsupported(torch.device("cpu")))
@@ -368,9 +364,10 @@ def test_short_inputs_run_eager_attention_as_exact_as_sdpa(length):
     SDPA above. Against a float64 model, its values and every gradient meet the float32
     error bound of the computation, as a plain float32 SDPA model's do (the two differ by
     summation order only)."""
-    from posttrain.modeling import EAGER_ATTENTION_MAX_KEYS, builtin_model_dir
+    from posttrain.fast.attention import EAGER_ATTENTION_MAX_KEYS
+    from posttrain.models import builtin_model_dir
 
-    ours = load_causal_lm("builtin", device="cpu")
+    ours = prepare_model(load_causal_lm("builtin", device="cpu"))
     path = builtin_model_dir()
     plain = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa")
     exact = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").double()
@@ -405,9 +402,9 @@ def test_key_length_counts_cached_positions():
     the eager limit, 100 + 20 is not."""
     from transformers import DynamicCache
 
-    from posttrain.modeling import cache_kwarg
+    from posttrain.models import cache_kwarg
 
-    model = load_causal_lm("builtin", device="cpu").eval()
+    model = prepare_model(load_causal_lm("builtin", device="cpu")).eval()
     kw = cache_kwarg(model)
     for new, want in ((40, "sdpa"), (20, "eager")):
         cache = DynamicCache()
@@ -419,9 +416,9 @@ def test_key_length_counts_cached_positions():
 
 
 def test_a_model_moved_off_the_cpu_goes_back_to_sdpa():
-    from posttrain.modeling import attention_for_keys
+    from posttrain.fast.attention import attention_for_keys
 
-    model = load_causal_lm("builtin", device="cpu")
+    model = prepare_model(load_causal_lm("builtin", device="cpu"))
     assert attention_for_keys(model, 10) == "eager"
     model.to("meta")  # stands in for a GPU: any device but the CPU
     assert attention_for_keys(model, 10) == "sdpa"

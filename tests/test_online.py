@@ -8,9 +8,12 @@ import pytest
 import torch
 
 from posttrain.config import ConfigError
-from posttrain.core.algorithms import get_algorithm
+from posttrain.core.algorithms import algorithm_names, get_algorithm
 from posttrain.rewards import RewardError
-from posttrain.trainers.online import CRITIC_FREE, RLConfig, RLTrainer, run_rl
+from posttrain.trainers.online import RLConfig, RLTrainer, run_rl
+from rl_steps import rl_step
+
+CRITIC_FREE = algorithm_names(critic=False)
 
 REWARDS = '''
 def by_len(prompts, completions, **_):
@@ -60,7 +63,7 @@ def test_every_critic_free_algorithm_runs(tiny_model_dir, tmp_path, rl_files, al
     for key in ("reward/std", "reward/by_len", "completion/length_mean",
                 "completion/truncated_frac", "groups/zero_signal_frac", "train/entropy",
                 "train/clip_frac_low", "train/clip_frac_high", "train/ratio_max",
-                "time/generate_s", "time/train_s", "sampling/rounds"):
+                "time/generate_s", "time/update_s", "sampling/rounds"):
         assert key in steps[0], key
     assert (tmp_path / "final" / "model.safetensors").exists()
 
@@ -119,7 +122,8 @@ def test_gradient_independent_of_micro_batching(tiny_model_dir, tmp_path, rl_fil
                                                 share):
     """One minibatch of 64 samples: micro-batches of 64, 16 and 1 give the same gradient,
     with full sequences and with each group's prompt shared by its completions."""
-    from posttrain.trainers.online import TokenBatch, accumulate_policy_gradient
+    from posttrain.trainers.online import TokenBatch
+    from posttrain.trainers.online.update import accumulate_policy_gradient
 
     reward, data = rl_files
     trainer = RLTrainer(_cfg(tiny_model_dir, tmp_path, algo, data=str(data),
@@ -127,7 +131,7 @@ def test_gradient_independent_of_micro_batching(tiny_model_dir, tmp_path, rl_fil
                              kl_coef=0.04))
     policy = trainer.policy.double()
     algo_rec = get_algorithm(algo, kl_coef=0.04)
-    exp = trainer.collect()
+    exp = trainer.experience.collect()
     tokens = TokenBatch(exp.rollout, trainer.tok.pad_token_id, "cpu", share)
     mask = tokens.completion_mask.double()
     idx = torch.arange(len(tokens))
@@ -141,7 +145,7 @@ def test_gradient_independent_of_micro_batching(tiny_model_dir, tmp_path, rl_fil
     for micro in (64, 16, 1):
         policy.zero_grad()
         accumulate_policy_gradient(policy, algo_rec, tokens, mask, idx, adv, old * 0.999, ref,
-                                   live, micro, constant=4)
+                                   live, micro, max_new_tokens=4)
         grads.append(torch.cat([p.grad.flatten() for p in policy.parameters()]))
     assert grads[0].abs().max() > 0
     torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=1e-6)
@@ -156,7 +160,7 @@ def test_shared_prompt_layout_equals_full_sequences(tiny_model_dir, tmp_path, rl
     reward, data = rl_files
     trainer = RLTrainer(_cfg(tiny_model_dir, tmp_path, "grpo", data=str(data),
                              reward=f"{reward}:by_len", prompts_per_step=4, group_size=4))
-    exp = trainer.collect()
+    exp = trainer.experience.collect()
     a = TokenBatch(exp.rollout, trainer.tok.pad_token_id, "cpu", True)
     b = TokenBatch(exp.rollout, trainer.tok.pad_token_id, "cpu", False)
     for rows in (torch.arange(len(a)), torch.tensor([1, 2, 7, 9, 15])):
@@ -180,7 +184,7 @@ def test_rl_config_rejects_bad_values():
 def test_reward_model_as_reward(tiny_model_dir, tmp_path, rl_files):
     """rm:DIR scores prompt+completion with a scalar-head model; it combines with a function
     term by weights, and each term is logged."""
-    from posttrain.modeling import load_reward_model, load_tokenizer, save_model
+    from posttrain.models import load_reward_model, load_tokenizer, save_model
     from posttrain.rewards import RewardModelReward, parse_rewards
 
     reward, data = rl_files
@@ -207,7 +211,7 @@ def test_skipped_sample_leaves_its_groups_statistics(tiny_model_dir, tmp_path, r
                                                      monkeypatch):
     """A sample skipped on a reward error is its own group for the advantages: the samples
     it was drawn with are normalised among themselves, not with its placeholder score."""
-    import posttrain.trainers.online as online
+    import posttrain.trainers.online.trainer as online
 
     seen = {}
     real = online.compute_advantages
@@ -221,7 +225,7 @@ def test_skipped_sample_leaves_its_groups_statistics(tiny_model_dir, tmp_path, r
     trainer = RLTrainer(_cfg(tiny_model_dir, tmp_path, "grpo", data=str(data),
                              reward=f"{reward}:nan", on_reward_error="skip"))
     opt = torch.optim.AdamW(trainer.policy.parameters(), lr=1e-4)
-    trainer.step(opt)
+    rl_step(trainer, opt)
     groups = seen["groups"]
     assert torch.equal(groups[1:4], torch.zeros(3, dtype=groups.dtype))  # rest of group 0
     assert (groups == groups[0]).sum() == 1  # sample 0 (NaN reward) stands alone
@@ -238,7 +242,7 @@ def test_one_epoch_of_several_minibatches_records_old_logprobs(tiny_model_dir, t
                              reward=f"{reward}:by_len", minibatch_size=4, micro_batch_size=4,
                              ppo_epochs=1, lr=1e-2))
     opt = torch.optim.AdamW(trainer.policy.parameters(), lr=1e-2)
-    record = trainer.step(opt)
+    record = rl_step(trainer, opt)
     assert record["optim/steps"] == 2
     assert record["train/ratio_max"] != 1.0 or record["train/ratio_min"] != 1.0
 
@@ -267,8 +271,8 @@ def test_learning_rate_schedule_over_rl_steps(tiny_model_dir, tmp_path, rl_files
 def test_compile_option(tiny_model_dir, tmp_path, monkeypatch):
     """compile=true compiles the policy's and the reference's pointwise blocks and the loop
     runs; where no kernels can be built it is a config error that says why."""
-    from posttrain.modeling import compile_unsupported
-    from posttrain.trainers import base
+    from posttrain.fast import compile as base
+    from posttrain.fast.compile import compile_unsupported
 
     if compile_unsupported(torch.device("cpu")):
         pytest.skip(compile_unsupported(torch.device("cpu")))

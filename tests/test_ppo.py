@@ -14,8 +14,9 @@ import torch
 from safetensors.torch import load_file
 
 from posttrain.core import RunningMoments
-from posttrain.trainers.base import load_optimizer, save_optimizer
+from posttrain.trainers.checkpoint import load_optimizer, save_optimizer
 from posttrain.trainers.online import PPOConfig, RLTrainer, TokenBatch, run_rl
+from rl_steps import rl_step
 
 RECORD_KEYS = ("critic/value_loss", "critic/explained_variance", "critic/value_clip_frac",
                "critic/return_mean", "kl/coef", "kl/seq_mean", "train/loss")
@@ -33,8 +34,8 @@ def _cfg(model_dir, out, **kw):
 
 
 def _optimizers(trainer):
-    """The two AdamW optimisers exactly as RLTrainer.train builds them."""
-    return trainer.make_optimizers()
+    """The two AdamW optimisers exactly as RLTrainer builds them."""
+    return [o.opt for o in trainer.optimizers]
 
 
 def _snapshot(model) -> dict[str, torch.Tensor]:
@@ -64,7 +65,7 @@ def test_ppo_step_trains_actor_and_critic_on_builtin_model(tmp_path):
     assert trainer.critic is not None and trainer.ref is not None
     opt, critic_opt = _optimizers(trainer)
     actor0, critic0, ref0 = (_snapshot(m) for m in (trainer.policy, trainer.critic, trainer.ref))
-    record = trainer.step(opt, critic_opt)
+    record = rl_step(trainer, opt, critic_opt)
     for key in RECORD_KEYS:
         assert key in record, key
         assert math.isfinite(record[key]), (key, record[key])
@@ -102,12 +103,12 @@ def test_run_rl_saves_actor_and_critic_that_transformers_loads(builtin_run):
 def test_critic_gradient_independent_of_micro_batching(tiny_model_dir, tmp_path, share):
     """16 samples with the value clip active on some tokens: micro-batches of 16, 4 and 1
     give the same critic gradient."""
-    from posttrain.trainers.online import accumulate_value_gradient
+    from posttrain.trainers.online.update import accumulate_value_gradient
 
     trainer = RLTrainer(_cfg(tiny_model_dir, tmp_path, prompts_per_step=4, group_size=4,
                              temperature=1.5))
     critic = trainer.critic.double()
-    exp = trainer.collect()
+    exp = trainer.experience.collect()
     tokens = TokenBatch(exp.rollout, trainer.tok.pad_token_id, "cpu", share)
     n = len(tokens)
     assert n == 16
@@ -143,7 +144,7 @@ def test_values_shared_prompt_equal_full_sequences(tiny_model_dir, tmp_path):
     full sequences, for all rows and for a subset that splits groups; 0 under the mask."""
     trainer = RLTrainer(_cfg(tiny_model_dir, tmp_path, prompts_per_step=4, group_size=4,
                              temperature=1.5))
-    exp = trainer.collect()
+    exp = trainer.experience.collect()
     shared = TokenBatch(exp.rollout, trainer.tok.pad_token_id, "cpu", True)
     full = TokenBatch(exp.rollout, trainer.tok.pad_token_id, "cpu", False)
     for rows in (torch.arange(len(full)), torch.tensor([1, 2, 7, 9, 15])):
@@ -164,12 +165,13 @@ def test_resume_from_checkpoint_equals_uninterrupted_run(builtin_run, tmp_path):
     was not interrupted."""
     _, out = builtin_run
     ckpt = out / "checkpoint-1"
-    for name in ("model.safetensors", "critic/model.safetensors", "optimizer.safetensors",
-                 "optimizer.json", "critic_optimizer.safetensors", "critic_optimizer.json",
-                 "trainer_state.json", "rng.safetensors"):
+    for name in ("model.safetensors", "critic/model.safetensors",
+                 "optimizer-policy.safetensors", "optimizer-policy.json",
+                 "optimizer-critic.safetensors", "optimizer-critic.json",
+                 "trainer_state.json", "state.safetensors"):
         assert (ckpt / name).is_file(), name
     state = json.loads((ckpt / "trainer_state.json").read_text())
-    assert state["step"] == 1 and state["kl_coef"] == pytest.approx(0.05)
+    assert state["step"] == 1 and state["job"]["kl_coef"] == pytest.approx(0.05)
     assert not (out / "checkpoint-2").exists()  # the last step is final/, not a checkpoint
 
     resumed = tmp_path / "resumed"
@@ -276,27 +278,27 @@ def test_shape_scores_penalty_normalisation_and_clip(tiny_model_dir, tmp_path):
     scores = torch.tensor([1.0, 2.0, 3.0, 4.0])
     valid = torch.ones(4, dtype=torch.bool)
 
-    torch.testing.assert_close(trainer._shape_scores(scores, ro, valid), scores)
+    torch.testing.assert_close(trainer.experience.shape_scores(scores, ro, valid), scores)
     cfg.missing_eos_penalty = 0.5
-    torch.testing.assert_close(trainer._shape_scores(scores, ro, valid),
+    torch.testing.assert_close(trainer.experience.shape_scores(scores, ro, valid),
                                torch.tensor([0.5, 2.0, 3.0, 3.5]))
-    assert trainer.score_moments.count == 0  # no normalisation asked: moments untouched
+    assert trainer.experience.score_moments.count == 0  # no normalisation asked: moments untouched
 
     cfg.missing_eos_penalty = 0.0
     cfg.reward_normalize = True
-    first = trainer._shape_scores(scores, ro, valid)
+    first = trainer.experience.shape_scores(scores, ro, valid)
     torch.testing.assert_close(first, (scores - 2.5) / scores.std())
     second_in = torch.tensor([10.0, -2.0, 0.0, 5.0])
     second_valid = torch.tensor([True, True, False, True])  # 0.0 is a skipped sample
-    second = trainer._shape_scores(second_in, ro, second_valid)
+    second = trainer.experience.shape_scores(second_in, ro, second_valid)
     seen = torch.tensor([1.0, 2.0, 3.0, 4.0, 10.0, -2.0, 5.0], dtype=torch.float64)
-    assert trainer.score_moments.count == 7
+    assert trainer.experience.score_moments.count == 7
     expected = ((second_in.double() - seen.mean()) / seen.std()).float()
     torch.testing.assert_close(second, expected)
 
     cfg.reward_clip = 0.5
-    clipped = trainer._shape_scores(second_in, ro, torch.zeros(4, dtype=torch.bool))
-    assert trainer.score_moments.count == 7  # nothing valid: moments unchanged
+    clipped = trainer.experience.shape_scores(second_in, ro, torch.zeros(4, dtype=torch.bool))
+    assert trainer.experience.score_moments.count == 7  # nothing valid: moments unchanged
     torch.testing.assert_close(clipped, expected.clamp(-0.5, 0.5))
     assert clipped.abs().max() == 0.5 and (clipped.abs() < 0.5).any()
 
@@ -310,8 +312,8 @@ def test_adaptive_kl_coefficient_follows_the_controller(tiny_model_dir, tmp_path
     trainer = RLTrainer(_cfg(tiny_model_dir, tmp_path / "adaptive", reward_kl_coef=0.05,
                              kl_target=target, kl_horizon=horizon, temperature=1.5))
     opt, critic_opt = _optimizers(trainer)
-    r1 = trainer.step(opt, critic_opt)
-    r2 = trainer.step(opt, critic_opt)
+    r1 = rl_step(trainer, opt, critic_opt)
+    r2 = rl_step(trainer, opt, critic_opt)
     n = 4 * 2  # samples per step
 
     def moved(k, kl):
@@ -328,7 +330,7 @@ def test_adaptive_kl_coefficient_follows_the_controller(tiny_model_dir, tmp_path
     fixed = RLTrainer(_cfg(tiny_model_dir, tmp_path / "fixed", reward_kl_coef=0.05,
                            temperature=1.5))
     opt, critic_opt = _optimizers(fixed)
-    f1, f2 = fixed.step(opt, critic_opt), fixed.step(opt, critic_opt)
+    f1, f2 = rl_step(fixed, opt, critic_opt), rl_step(fixed, opt, critic_opt)
     assert f1["kl/coef"] == f2["kl/coef"] == fixed.kl_ctl.value == 0.05
     assert f2["kl/seq_mean"] != 0  # there was KL to react to
 
@@ -336,7 +338,7 @@ def test_adaptive_kl_coefficient_follows_the_controller(tiny_model_dir, tmp_path
 # --- 9. where the critic starts ----------------------------------------------------------------
 
 def _reward_model_dir(model_dir, path, seed):
-    from posttrain.modeling import load_reward_model, load_tokenizer, save_model
+    from posttrain.models import load_reward_model, load_tokenizer, save_model
 
     tok = load_tokenizer(model_dir)
     torch.manual_seed(seed)
@@ -382,11 +384,11 @@ def test_critic_warmup_trains_the_critic_alone(tiny_model_dir, tmp_path):
     trainer = RLTrainer(_cfg(tiny_model_dir, tmp_path, critic_warmup_steps=1, temperature=1.5))
     opt, critic_opt = _optimizers(trainer)
     actor0, critic0 = _snapshot(trainer.policy), _snapshot(trainer.critic)
-    record = trainer.step(opt, critic_opt)
+    record = rl_step(trainer, opt, critic_opt)
     assert record["optim/steps"] == 0 and record["critic/optim_steps"] > 0
     assert all(torch.equal(v, actor0[k]) for k, v in trainer.policy.state_dict().items())
     assert any(not torch.equal(v, critic0[k]) for k, v in trainer.critic.state_dict().items())
-    record = trainer.step(opt, critic_opt)
+    record = rl_step(trainer, opt, critic_opt)
     assert record["optim/steps"] > 0
     assert any(not torch.equal(v, actor0[k]) for k, v in trainer.policy.state_dict().items())
 
@@ -489,7 +491,7 @@ def test_critic_not_from_a_reward_model_with_another_vocabulary(tiny_model_dir, 
                                                                 caplog):
     """A reward model whose tokenizer differs from the policy's cannot read the policy's
     token ids, so the critic starts from the policy instead, with a warning."""
-    from posttrain.modeling import load_reward_model, load_tokenizer, save_model
+    from posttrain.models import load_reward_model, load_tokenizer, save_model
 
     tok = load_tokenizer(tiny_model_dir)
     rm = load_reward_model(tiny_model_dir, tok, device="cpu")

@@ -8,9 +8,11 @@ import json
 import pytest
 import torch
 
-from posttrain.modeling import load_causal_lm, load_tokenizer
-from posttrain.rollout import SamplingParams, can_replay, generate
+from posttrain.fast.replay import can_replay
+from posttrain.models import load_causal_lm, load_tokenizer
+from posttrain.rollout import SamplingParams, generate
 from posttrain.trainers.online import RLConfig, RLTrainer, TokenBatch
+from rl_steps import rl_step
 
 PROMPTS = ["1+2=", "17+25=", "3+4=", "100+200="]
 
@@ -150,11 +152,11 @@ def test_trainer_step_same_with_and_without_reuse(tiny_model_dir, tmp_path, kw, 
     learning rate, dynamic sampling's select and concat) moves the policy the same way with
     the sampler's outputs reused as without; after the first optimizer step the policy has
     moved, and outputs used past it would show as a different update."""
-    from posttrain.rollout import DecodeActivations
-    from posttrain.trainers import online
+    from posttrain.fast.replay import DecodeActivations
+    from posttrain.trainers.online import batch
 
     # rows this short would be packed into one call, which replays nothing: take two calls
-    monkeypatch.setattr(online, "packing_pays", lambda *a, **k: False)
+    monkeypatch.setattr(batch, "packing_pays", lambda *a, **k: False)
     replays = []
     replay_map = DecodeActivations.replay_map
     monkeypatch.setattr(DecodeActivations, "replay_map",
@@ -168,7 +170,7 @@ def test_trainer_step_same_with_and_without_reuse(tiny_model_dir, tmp_path, kw, 
         before = [p.detach().clone() for p in trainer.policy.parameters()]
         # plain SGD: the update is proportional to the gradient (Adam's first steps are
         # about its sign, which float rounding can flip where a gradient is ~0)
-        record = trainer.step(torch.optim.SGD(trainer.policy.parameters(), lr=1.0))
+        record = rl_step(trainer, torch.optim.SGD(trainer.policy.parameters(), lr=1.0))
         assert record["optim/steps"] >= 1
         assert record["sampling/rounds"] > 1 or kw["algo"] != "dapo"
         moved.append(torch.cat([(p.detach() - b).flatten()
@@ -184,15 +186,15 @@ def test_packed_batches_replay_nothing_and_stop_the_capture(tiny_model_dir, tmp_
     """Where the shared-prompt passes are packed into one call (short rows), nothing is
     replayed, the saved outputs are dropped, and the next rollouts are not captured; the
     step is the one without reuse."""
-    from posttrain.rollout import DecodeActivations
-    from posttrain.trainers import online
+    from posttrain.fast.replay import DecodeActivations
+    from posttrain.rollout.lean import LeanEngine
 
     reward, data = _task_files(tmp_path)
     monkeypatch.setattr(DecodeActivations, "replay_map",
                         lambda *a: pytest.fail("a packed batch replayed the sampler's outputs"))
     captures = []
-    generate_ = online.generate
-    monkeypatch.setattr(online, "generate",
+    generate_ = LeanEngine.generate
+    monkeypatch.setattr(LeanEngine, "generate",
                         lambda *a, capture, **k: captures.append(capture) or
                         generate_(*a, capture=capture, **k))
     moved = []
@@ -202,11 +204,11 @@ def test_packed_batches_replay_nothing_and_stop_the_capture(tiny_model_dir, tmp_
                               kl_coef=0.04)
         opt = torch.optim.SGD(trainer.policy.parameters(), lr=1.0)
         before = [p.detach().clone() for p in trainer.policy.parameters()]
-        trainer.step(opt)
+        rl_step(trainer, opt)
         assert trainer.packed
         moved.append(torch.cat([(p.detach() - b).flatten()
                                 for p, b in zip(trainer.policy.parameters(), before, strict=True)]))
-        trainer.step(opt)
+        rl_step(trainer, opt)
     # the first rollout with reuse was captured (packing is decided on the batch), the
     # second was not
     assert captures == [True, False, False, False]
@@ -214,7 +216,7 @@ def test_packed_batches_replay_nothing_and_stop_the_capture(tiny_model_dir, tmp_
 
 
 def _mlp_and_linear_grads(mlp, lin, x, gy, gz, replay):
-    from posttrain.modeling import replay_forward
+    from posttrain.fast.replay import replay_forward
 
     params = (*mlp.parameters(), *lin.parameters())
     for p in params:
@@ -250,7 +252,7 @@ def test_replayed_modules_have_the_modules_gradients_in_float64():
 
 
 def test_replay_refuses_a_mismatched_or_repeated_call():
-    from posttrain.modeling import replay_forward
+    from posttrain.fast.replay import replay_forward
 
     lin = torch.nn.Linear(4, 3)
     with pytest.raises(RuntimeError, match="got input"), replay_forward({lin: torch.zeros(2, 3)}):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from posttrain.data import pad_sequences
-from posttrain.modeling import completion_logprobs, load_causal_lm, load_tokenizer
+from posttrain.models import completion_logprobs, load_causal_lm, load_tokenizer
 from posttrain.rollout import SamplingParams, generate
 
 TINY_PROMPTS = ["hello", "a", "the quick brown fox"]  # different lengths: left padding matters
@@ -352,7 +352,8 @@ def test_single_prompt_single_sample(builtin):
 def test_sampler_matches_the_distribution():
     """The inverse-CDF sampler draws each token with its softmax probability (and
     top-k renormalises): empirical frequencies over 40,000 draws within 4 standard errors."""
-    from posttrain.rollout import SamplingParams, _sample
+    from posttrain.rollout import SamplingParams
+    from posttrain.rollout.engine import sample_tokens as _sample
 
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5]]).repeat(40_000, 1)
     gen = torch.Generator().manual_seed(0)
@@ -370,7 +371,8 @@ def test_sampler_matches_the_distribution():
 
 def _assert_lean_equals_hf(model, tok):
     """Greedy and sampled (same seed): identical tokens and masks, log-probs to 1e-5."""
-    from posttrain.rollout import LeanLlamaDecoder, SamplingParams, generate
+    from posttrain.fast.lean import LeanLlamaDecoder
+    from posttrain.rollout import SamplingParams, generate
 
     assert LeanLlamaDecoder.supports(model)
     prompts = ["58+67=", "1+2=", "99+99="]
@@ -389,7 +391,7 @@ def _assert_lean_equals_hf(model, tok):
 def test_lean_decoder_equals_model_forward(tiny_model_dir, model_name):
     """The lean static-cache decoder gives the same tokens and log-probs as decoding through
     the model's own forward, greedy and sampled with the same seed."""
-    from posttrain.modeling import load_causal_lm, load_tokenizer
+    from posttrain.models import load_causal_lm, load_tokenizer
 
     path = tiny_model_dir if model_name == "tiny" else "builtin"
     model, tok = load_causal_lm(path, device="cpu"), load_tokenizer(path)
@@ -403,7 +405,7 @@ def test_lean_decoder_equals_model_forward_gqa_and_bias(tiny_model_dir, arch):
     model does not exercise."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    from posttrain.modeling import load_tokenizer
+    from posttrain.models import load_tokenizer
 
     tok = load_tokenizer(tiny_model_dir)
     common = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
@@ -428,7 +430,7 @@ def test_lean_decoder_equals_model_forward_gqa_and_bias(tiny_model_dir, arch):
 def test_compaction_keeps_live_rows_and_moves_only_finished_slots(seed):
     """The cache order after rows finish: exactly the live rows, each once; a live row in
     the first ``n`` slots stays in its slot; only as many slots change as finished there."""
-    from posttrain.rollout import _compaction
+    from posttrain.rollout.engine import compaction as _compaction
 
     g = torch.Generator().manual_seed(seed)
     R = int(torch.randint(1, 40, (1,), generator=g))
@@ -447,7 +449,7 @@ def test_rows_finishing_at_many_steps_keep_teacher_forced_logprobs(tiny_model_di
     """A random model whose eos logit is scaled up, prompts of different lengths: rows end at
     many different steps, the cache is compacted several times with rows moving slots
     (counted), and every sampled token's log-prob still equals a full forward's."""
-    from posttrain.rollout import LeanLlamaDecoder
+    from posttrain.fast.lean import LeanLlamaDecoder
 
     model = load_causal_lm(tiny_model_dir, device="cpu").eval()
     tok = load_tokenizer(tiny_model_dir)
@@ -482,7 +484,8 @@ def test_mlp_biases_keep_the_model_forward(tiny_model_dir):
     decoded through the model's own forward: ``auto`` samples what ``hf`` does."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from posttrain.rollout import LeanLlamaDecoder, SamplingParams, generate
+    from posttrain.fast.lean import LeanLlamaDecoder
+    from posttrain.rollout import SamplingParams, generate
 
     tok = load_tokenizer(tiny_model_dir)
     torch.manual_seed(0)
@@ -516,7 +519,8 @@ def test_wrapped_projections_keep_the_model_forward(tiny_model_dir):
     """The lean decoder reads the projections' weights, so a model with a projection
     wrapped in another module is decoded through the model's own forward: ``auto`` samples
     what ``hf`` does, and differs from what the bare weights would give."""
-    from posttrain.rollout import LeanLlamaDecoder, SamplingParams, generate
+    from posttrain.fast.lean import LeanLlamaDecoder
+    from posttrain.rollout import SamplingParams, generate
 
     tok = load_tokenizer(tiny_model_dir)
     model = load_causal_lm(tiny_model_dir, device="cpu").eval()

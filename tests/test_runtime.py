@@ -9,7 +9,7 @@ import pytest
 
 PROBE = """
 import sys, torch
-from posttrain.runtime import keep_freed_memory
+from posttrain.fast.memory import keep_freed_memory
 ok = keep_freed_memory() if sys.argv[1] == "keep" else None
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * 4096

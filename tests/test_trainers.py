@@ -102,8 +102,8 @@ def test_lr_schedule_logged(tiny_model_dir, tmp_path):
     run_sft(make(SFTConfig, tiny_model_dir, out, max_steps=4, lr=1e-3, warmup_ratio=0.5,
                  lr_schedule="linear"))
     lrs = [train_records(out)[s]["train/lr"] for s in (1, 2, 3, 4)]
-    # warm-up over 2 steps (lr after step s is the one for step s+1), then linear to 0
-    assert lrs == pytest.approx([1e-3, 1e-3, 5e-4, 0.0])
+    # the rate each step used: warm-up over 2 steps, then linear to 0
+    assert lrs == pytest.approx([5e-4, 1e-3, 1e-3, 5e-4])
 
 
 def test_rm_reproducible_with_seed(tiny_model_dir, tmp_path):
@@ -213,7 +213,7 @@ def test_grad_accum_changes_nothing_in_the_gradient(tiny_model_dir, tmp_path, mo
     """With plain SGD the step is -lr·g, so equal parameters mean equal gradients."""
     from posttrain.builtin import task
     from posttrain.data import encode_sft, validate
-    from posttrain.modeling import load_causal_lm, load_tokenizer
+    from posttrain.models import load_causal_lm, load_tokenizer
 
     monkeypatch.setattr(torch.optim, "AdamW",
                         lambda params, lr, weight_decay, **_: torch.optim.SGD(params, lr=lr))

@@ -17,25 +17,42 @@ import sys
 
 from posttrain import __version__
 
-COMMANDS = {
-    "sft": ("supervised fine-tuning on prompt/completion or chat data",
-            "offline", "SFTConfig", "run_sft"),
-    "rm": ("Bradley–Terry reward model on preference pairs", "offline", "RMConfig", "run_rm"),
-    "dpo": ("direct preference optimisation against a frozen reference", "offline",
-            "DPOConfig", "run_dpo"),
-    "grpo": ("on-policy RL with a verifiable reward: --algo grpo, dapo, gspo, gspo_token, "
-             "dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline", "online", "RLConfig",
-             "run_rl"),
-    "ppo": ("RLHF with a per-token KL penalty in the reward: --algo ppo (actor, critic, "
-            "reference, reward model or function), reinforce_pp, reinforce_pp_baseline",
-            "online", "PPOConfig", "run_rl"),
-}
+
+def _commands() -> dict:
+    """Each training command: its help, its config class and its entry point (module,
+    function). The RL commands' algorithm lists come from the algorithm table."""
+    from posttrain.core.algorithms import algorithm_names
+
+    grpo = ", ".join(algorithm_names(critic=False))
+    ppo = ", ".join(algorithm_names(token_rewards=True))
+    return {
+        "sft": ("supervised fine-tuning on prompt/completion or chat data", "SFTConfig",
+                ("offline", "run_sft")),
+        "rm": ("Bradley–Terry reward model on preference pairs", "RMConfig",
+               ("offline", "run_rm")),
+        "dpo": ("direct preference optimisation against a frozen reference", "DPOConfig",
+                ("offline", "run_dpo")),
+        "grpo": (f"on-policy RL with a verifiable reward: --algo {grpo}", "RLConfig",
+                 ("online", "run_rl")),
+        "ppo": (f"RLHF with a per-token KL penalty in the reward: --algo {ppo} (ppo: actor, "
+                "critic, reference, reward model or function)", "PPOConfig",
+                ("online", "run_rl")),
+    }
 
 
-def _trainer(module: str, name: str):
+COMMANDS = ("sft", "rm", "dpo", "grpo", "ppo")
+
+
+def _config_class(name: str):
+    from posttrain import config
+
+    return getattr(config, name)
+
+
+def _entry(module: str, fn: str):
     import importlib
 
-    return getattr(importlib.import_module(f"posttrain.trainers.{module}"), name)
+    return getattr(importlib.import_module(f"posttrain.trainers.{module}"), fn)
 
 
 def _config_help(cls) -> str:
@@ -58,9 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"posttrain {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (help_text, module, cls_name, _) in COMMANDS.items():
+    for name, (help_text, cls_name, _) in _commands().items():
         p = sub.add_parser(name, help=help_text, description=help_text,
-                           epilog=_config_help(_trainer(module, cls_name)),
+                           epilog=_config_help(_config_class(cls_name)),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("--config", help="YAML file of config keys")
     ev = sub.add_parser("eval", help="greedy accuracy and mean reward of a model, as JSON")
@@ -80,9 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _run_eval(args) -> int:
     from posttrain import data as data_mod
+    from posttrain import fast
     from posttrain.builtin import task
     from posttrain.evaluate import evaluate_policy, load_reward_function
-    from posttrain.modeling import load_causal_lm, load_tokenizer
+    from posttrain.models import load_causal_lm, load_tokenizer
 
     if args.data is None:
         if args.task not in (None, "builtin"):
@@ -96,8 +114,8 @@ def _run_eval(args) -> int:
         _, rows = data_mod.load(args.data, "rl")
         reward_fn = load_reward_function(args.reward)
     tok = load_tokenizer(args.model, args.trust_remote_code)
-    model = load_causal_lm(args.model, device=args.device,
-                           trust_remote_code=args.trust_remote_code)
+    model = fast.prepare_model(load_causal_lm(args.model, device=args.device,
+                                              trust_remote_code=args.trust_remote_code))
     result = evaluate_policy(model, tok, rows, reward_fn, args.max_new_tokens, args.batch_size)
     print(json.dumps({"model": args.model, **result}))
     return 0
@@ -123,12 +141,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in COMMANDS:
             from posttrain import config
 
-            _, module, cls_name, fn_name = COMMANDS[args.command]
-            cfg = config.load(_trainer(module, cls_name), args.config, rest)
-            if cfg.output_dir is None:
-                cfg.output_dir = f"runs/{getattr(cfg, 'algo', args.command)}"
+            _, cls_name, entry = _commands()[args.command]
+            cfg = config.load(_config_class(cls_name), args.config, rest)
             _quiet_transformers()
-            metrics = _trainer(module, fn_name)(cfg)
+            metrics = _entry(*entry)(cfg)
             print(json.dumps({"output_dir": cfg.output_dir, **{
                 k: v for k, v in metrics.items() if k.startswith("eval/")}}))
             return 0

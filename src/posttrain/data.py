@@ -297,7 +297,7 @@ def pad_shared_prompts(prompts: list[list[int]], completions: list[list[int]], p
                        ) -> dict[str, torch.Tensor]:
     """Prompts once, left-padded ``(B, Lp)``, and their completions in blocks, right-padded
     ``(k·B, Lc)`` (rows ``j·B + i`` belong to prompt ``i``): the layout of
-    :func:`posttrain.modeling.shared_prompt_logprobs`."""
+    :func:`posttrain.models.shared_prompt_logprobs`."""
     prompt_ids, prompt_mask = pad_left(prompts, pad_id)
     Lc = max(len(c) for c in completions)
     completion_ids = torch.tensor([c + [pad_id] * (Lc - len(c)) for c in completions])

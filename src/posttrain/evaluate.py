@@ -32,26 +32,31 @@ def load_reward_function(spec: str) -> Callable:
     return fn
 
 
-def greedy_completions(model, tokenizer, prompts: list[str], max_new_tokens: int = 16,
+def greedy_completions(engine, prompts: list[str], max_new_tokens: int = 16,
                        batch_size: int = 64) -> list[str]:
-    """Greedy completions (text up to eos) of ``prompts``, through the rollout engine
-    (tested token-for-token equal to ``model.generate(do_sample=False)``)."""
-    from posttrain.rollout import SamplingParams, generate
+    """Greedy completions (text up to eos) of ``prompts`` from a rollout ``engine``
+    (``posttrain.rollout``; tested token-for-token equal to
+    ``model.generate(do_sample=False)``)."""
+    from posttrain.rollout import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
     out: list[str] = []
     for i in range(0, len(prompts), batch_size):
-        out.extend(generate(model, tokenizer, prompts[i:i + batch_size], 1, params).texts)
+        out.extend(engine.generate(prompts[i:i + batch_size], 1, params).texts)
     return out
 
 
 def evaluate_policy(model, tokenizer, rows: list[dict], reward_fn: Callable,
-                    max_new_tokens: int = 16, batch_size: int = 64, threshold: float = 1.0
-                    ) -> dict[str, float]:
-    """Greedy-decode every row's prompt, score with ``reward_fn(prompts, completions,
-    **columns)``; return accuracy, mean reward and the count."""
+                    max_new_tokens: int = 16, batch_size: int = 64, threshold: float = 1.0,
+                    engine=None) -> dict[str, float]:
+    """Greedy-decode every row's prompt (through ``engine``, default the ``auto`` engine of
+    ``model``), score with ``reward_fn(prompts, completions, **columns)``; return accuracy,
+    mean reward and the count."""
+    from posttrain.rollout import make_engine
+
+    engine = engine or make_engine("auto", model, tokenizer)
     prompts = [r["prompt"] for r in rows]
-    completions = greedy_completions(model, tokenizer, prompts, max_new_tokens, batch_size)
+    completions = greedy_completions(engine, prompts, max_new_tokens, batch_size)
     columns = {k: [r.get(k) for r in rows] for k in rows[0] if k not in ("prompt", "_row")}
     rewards = [float(x) for x in reward_fn(prompts, completions, **columns)]
     if len(rewards) != len(rows):

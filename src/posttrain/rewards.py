@@ -37,7 +37,7 @@ class RewardModelReward:
     """Scores ``prompt + completion`` with a scalar-head model (``posttrain rm`` output)."""
 
     def __init__(self, path: str, device: str = "auto", batch_size: int = 64):
-        from posttrain.modeling import load_reward_model, load_tokenizer
+        from posttrain.models import load_reward_model, load_tokenizer
 
         self.tokenizer = load_tokenizer(path)
         self.model = load_reward_model(path, self.tokenizer, device=device).eval()
@@ -45,7 +45,7 @@ class RewardModelReward:
 
     @torch.no_grad()
     def __call__(self, prompts, completions, **_):
-        from posttrain.modeling import sequence_scores
+        from posttrain.models import sequence_scores
 
         device = next(self.model.parameters()).device
         out: list[float] = []

@@ -49,7 +49,7 @@ def init_model(out: Path, seed: int = 0, **arch) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from posttrain.evaluate import evaluate_policy
-    from posttrain.modeling import builtin_model_dir, load_causal_lm, load_tokenizer
+    from posttrain.models import builtin_model_dir, load_causal_lm, load_tokenizer
     from posttrain.trainers.offline import SFTConfig, run_sft
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

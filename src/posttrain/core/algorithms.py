@@ -18,7 +18,10 @@ DAPO also turns on dynamic sampling and overlong reward shaping.
 Variants and what they leave out: ``rloo`` uses the leave-one-out baseline inside GRPO's
 clipped, KL-regularised objective (the paper's KL-in-reward form is ``reinforce_pp`` with a
 leave-one-out baseline, not provided). ``dr_grpo``'s constant ``C`` is the maximum number of
-new tokens, which the trainer passes to :func:`aggregate_loss`.
+new tokens (:meth:`Algorithm.loss_constant`). Besides the math, the record says what the
+loop needs: whether zero advantage means zero gradient, whether rewards are per token.
+The commands take their algorithms from this table: ``posttrain grpo`` those without a
+critic, ``posttrain ppo`` those with per-token rewards (:func:`algorithm_names`).
 """
 
 from __future__ import annotations
@@ -108,6 +111,26 @@ class Algorithm:
         """Whether the advantage compares samples of the same prompt (G > 1 needed)."""
         return self.advantage in GROUP_ESTIMATORS
 
+    @property
+    def token_rewards(self) -> bool:
+        """Whether rewards are per token (a KL penalty folded into each token's reward, then
+        returns over the completion): the RLHF family, ``posttrain ppo``'s algorithms."""
+        return self.advantage in TOKEN_REWARD_ESTIMATORS
+
+    @property
+    def zero_advantage_zero_gradient(self) -> bool:
+        """Whether a sample whose advantage is 0 on every token adds nothing to the policy
+        gradient, so the update may skip its forward and backward pass. Every policy loss of
+        the table is ``-A · f(ratio)``; only a KL term in the loss (β > 0) gives such a
+        sample a gradient. (A critic still trains on it.)"""
+        return self.kl_coef == 0
+
+    def loss_constant(self, max_new_tokens: int) -> float:
+        """The constant ``C`` the aggregation divides by: Dr. GRPO's ``seq_sum_const`` uses
+        the token budget, so the loss of a sequence does not depend on its length; 1 for
+        every other aggregation (which ignores it)."""
+        return float(max_new_tokens) if self.aggregation == "seq_sum_const" else 1.0
+
     def replace(self, **changes) -> Algorithm:
         return dataclasses.replace(self, **changes)
 
@@ -170,6 +193,7 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable] = {
     "reinforce_pp_baseline": _adv_reinforce_pp_baseline,
 }
 GROUP_ESTIMATORS = frozenset({"group", "group_no_std", "rloo", "reinforce_pp_baseline"})
+TOKEN_REWARD_ESTIMATORS = frozenset({"gae", "reinforce_pp", "reinforce_pp_baseline"})
 
 POLICY_LOSSES: dict[str, Callable] = {
     "ppo_clip": lambda algo, lp, old, adv, mask: ppo_clip_loss(
@@ -240,6 +264,15 @@ ALGORITHMS: dict[str, Algorithm] = {
                   reward_kl_coef=0.01),
     ]
 }
+
+
+def algorithm_names(*, critic: bool | None = None, token_rewards: bool | None = None
+                    ) -> list[str]:
+    """Names of the table's algorithms, in table order, filtered by whether they train a
+    critic and whether their rewards are per token (None: either)."""
+    return [name for name, a in ALGORITHMS.items()
+            if (critic is None or a.critic == critic)
+            and (token_rewards is None or a.token_rewards == token_rewards)]
 
 
 def get_algorithm(name: str, **overrides) -> Algorithm:

@@ -1,97 +1,43 @@
-"""The offline trainers: SFT, Bradley–Terry reward model and DPO.
+"""The offline trainers: SFT, Bradley–Terry reward model and DPO, as jobs of the run loop.
 
-Each is a config dataclass (defaults for the built-in tiny model and task) and a
-:class:`Trainer` subclass that says how to collate, what a loss unit is (a completion token
-for SFT, a pair for the reward model and DPO) and the loss summed over units. Everything
-else — optimiser, schedule, accumulation, logging, checkpoints — is the shared loop.
+Each says how to collate examples, what a loss unit is (a completion token for SFT, a pair
+for the reward model and DPO) and its loss as a *sum* over those units. :class:`OfflineJob`
+divides by the unit count of the whole optimiser step, so the gradient does not depend on how
+the step is cut into micro-batches; the run loop (:mod:`.loop`) does everything else.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from posttrain import data as data_mod
+from posttrain import fast
 from posttrain.builtin import task as builtin_task
-from posttrain.config import TrainConfig, _check
+from posttrain.config import DPOConfig, OfflineConfig, RMConfig, SFTConfig
 from posttrain.core import bradley_terry_loss, dpo_loss
-from posttrain.core.preference import DPO_LOSS_TYPES
-from posttrain.modeling import (
-    SHARE_PROMPT_MIN_PARAMS,
+from posttrain.fast.compile import compile_models
+from posttrain.models import (
     completion_logprobs,
-    has_plain_head,
+    decide_share_prompt,
     load_causal_lm,
     load_reward_model,
     load_tokenizer,
-    packs_shared_prompts,
+    save_model,
     sequence_scores,
     shared_prompt_logprobs,
 )
-from posttrain.trainers.base import Trainer, seed_everything
+from posttrain.trainers import loop
+from posttrain.trainers.loop import Job, Optim, StepResult
 
 log = logging.getLogger(__name__)
 
 
-# --- configs ---------------------------------------------------------------------------------
-
-@dataclass
-class SFTConfig(TrainConfig):
-    """Supervised fine-tuning on prompt/completion or chat data (loss on completions only)."""
-
-    lr: float = 1e-4
-    batch_size: int = 32
-
-
-@dataclass
-class RMConfig(TrainConfig):
-    """Bradley–Terry reward model on prompt/chosen/rejected pairs."""
-
-    lr: float = 1e-4
-    batch_size: int = 16
-    epochs: float = 2.0
-    center_coef: float = 0.0
-    """Weight c of the centring term c·(r_c + r_r)² (0 = off)."""
-
-    def validate(self) -> None:
-        super().validate()
-        _check(self.center_coef >= 0, "center_coef must be ≥ 0")
-
-
-@dataclass
-class DPOConfig(TrainConfig):
-    """Direct preference optimisation against a frozen reference."""
-
-    lr: float = 1e-5
-    batch_size: int = 16
-    beta: float = 0.1
-    """β: strength of the implicit KL constraint."""
-    loss_type: str = "sigmoid"
-    """sigmoid (DPO), robust (cDPO), ipo or hinge."""
-    label_smoothing: float = 0.0
-    """ε of the robust (cDPO) loss."""
-    ref_model: str | None = None
-    """Reference policy; none = the starting model."""
-    precompute_ref: bool = True
-    """Compute the reference log-likelihoods once before training and free the reference."""
-    share_prompt: bool | None = None
-    """Run each prompt once for both its completions (its keys and values are shared, with
-    gradient); false = two full sequences per pair; none = automatic: on when the pair fits
-    one packed forward call (sdpa or eager attention), else on from 2M parameters (below
-    that a second forward call costs more than it saves)."""
-
-    def validate(self) -> None:
-        super().validate()
-        _check(self.beta > 0, "beta must be > 0")
-        _check(self.loss_type in DPO_LOSS_TYPES,
-               f"loss_type must be one of {', '.join(DPO_LOSS_TYPES)}")
-        _check(0 <= self.label_smoothing < 0.5, "label_smoothing must be in [0, 0.5)")
-
-
 # --- data ------------------------------------------------------------------------------------
 
-def _splits(cfg: TrainConfig, kind: str, builtin_rows):
+def _splits(cfg: OfflineConfig, kind: str, builtin_rows):
     """(name, train rows, eval rows) from files or, with no data given, the built-in task."""
     if cfg.data is None:
         train = builtin_rows(cfg.builtin_train_size, "train", cfg.seed)
@@ -102,7 +48,6 @@ def _splits(cfg: TrainConfig, kind: str, builtin_rows):
     name, train = data_mod.load(cfg.data, kind)
     eval_name, held = (data_mod.load(cfg.eval_data, kind) if cfg.eval_data else (name, []))
     return name, train, eval_name, held
-
 
 def _pair_batch(examples: list[data_mod.Encoded], pad_id: int, share_prompt: bool = False
                 ) -> dict:
@@ -118,11 +63,117 @@ def _pair_batch(examples: list[data_mod.Encoded], pad_id: int, share_prompt: boo
     return batch
 
 
-# --- trainers --------------------------------------------------------------------------------
+class ExampleStream:
+    """Endless shuffled passes over ``n`` examples (seeded): the data order of a run. Its
+    state is the count of examples drawn, from which a resumed run rebuilds the same
+    order."""
 
-class SFTTrainer(Trainer):
-    command = "sft"
-    progress_keys = ("loss", "token_accuracy")
+    def __init__(self, n: int, seed: int, drawn: int = 0):
+        self.n, self.seed = n, seed
+        self.gen = torch.Generator().manual_seed(seed)
+        self.order: list[int] = []
+        self.drawn = 0
+        for _ in range(drawn // n):
+            torch.randperm(n, generator=self.gen)  # the epochs already done
+        self.drawn = drawn - drawn % n
+        for _ in range(drawn % n):
+            next(self)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> int:
+        if not self.order:
+            self.order = torch.randperm(self.n, generator=self.gen).tolist()[::-1]
+        self.drawn += 1
+        return self.order.pop()
+
+
+# --- jobs ------------------------------------------------------------------------------------
+
+class OfflineJob(Job):
+    """One optimiser step over ``grad_accum`` micro-batches of ``batch_size`` examples. A
+    subclass provides ``collate``, ``units`` and ``loss``."""
+
+    def __init__(self, cfg: OfflineConfig, model, tokenizer, train_examples: list,
+                 eval_examples: list):
+        self.cfg, self.model, self.tokenizer = cfg, model, tokenizer
+        self.train_examples, self.eval_examples = train_examples, eval_examples
+        self.device = next(model.parameters()).device
+        self.name = cfg.COMMAND
+        self.stream = ExampleStream(len(train_examples), cfg.seed)
+        self.optimizers = [Optim("model", model, cfg.lr, cfg.weight_decay, cfg.max_grad_norm)]
+
+    # --- what a subclass provides ------------------------------------------------------------
+    def collate(self, examples: list) -> dict:
+        raise NotImplementedError
+
+    def units(self, batch: dict) -> int:
+        """Loss units (tokens, pairs) in a micro-batch: the step normaliser sums these."""
+        raise NotImplementedError
+
+    def loss(self, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Loss summed over the batch's units, and metric sums over the same units."""
+        raise NotImplementedError
+
+    # --- the job -----------------------------------------------------------------------------
+    def to_device(self, batch: dict) -> dict:
+        return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v
+                for k, v in batch.items()}
+
+    def batches(self, examples: list, batch_size: int):
+        for i in range(0, len(examples), batch_size):
+            yield self.to_device(self.collate(examples[i:i + batch_size]))
+
+    def step(self, step: int) -> StepResult:
+        cfg = self.cfg
+        self.model.train()
+        micro = [self.to_device(self.collate([self.train_examples[next(self.stream)]
+                                              for _ in range(cfg.batch_size)]))
+                 for _ in range(cfg.grad_accum)]
+        step_units = sum(self.units(b) for b in micro)
+        sums: dict[str, torch.Tensor] = {}
+        for batch in micro:
+            loss_sum, metric_sums = self.loss(batch)
+            (loss_sum / max(step_units, 1)).backward()
+            for k, v in {"loss": loss_sum.detach(), **metric_sums}.items():
+                sums[f"train/{k}"] = sums.get(f"train/{k}", 0.0) + v.detach()
+        norm = self.optimizers[0].step()
+        return StepResult({k: float(v) for k, v in sums.items()}, step_units,
+                          {"train/grad_norm": norm})
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Unit-weighted means of the loss and metrics over the held-out examples."""
+        if not self.eval_examples:
+            return {}
+        was_training = self.model.training
+        self.model.eval()
+        total, sums = 0, {}
+        for batch in self.batches(self.eval_examples, self.cfg.eval_batch_size):
+            loss_sum, metric_sums = self.loss(batch)
+            total += self.units(batch)
+            for k, v in {"loss": loss_sum, **metric_sums}.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        self.model.train(was_training)
+        return {f"eval/{k}": v / max(total, 1) for k, v in sums.items()}
+
+    def save(self, path: Path) -> None:
+        save_model(self.model, self.tokenizer, path)
+
+    def state(self):
+        return {"drawn": self.stream.drawn}, {}
+
+    def load_state(self, meta, tensors) -> None:
+        self.stream = ExampleStream(len(self.train_examples), self.cfg.seed, meta["drawn"])
+
+    def train(self) -> dict[str, float]:
+        """Run this job in the run loop."""
+        return loop.run(self.cfg, self, self.cfg.total_steps(len(self.train_examples)))
+
+
+class SFTTrainer(OfflineJob):
+    progress_keys = (("loss", "train/loss"), ("token acc", "train/token_accuracy"))
 
     def collate(self, examples):
         return data_mod.pad_sequences([e.prompt for e in examples],
@@ -138,9 +189,8 @@ class SFTTrainer(Trainer):
         return -lp.sum(), {}
 
 
-class RewardTrainer(Trainer):
-    command = "rm"
-    progress_keys = ("loss", "accuracy")
+class RewardTrainer(OfflineJob):
+    progress_keys = (("loss", "train/loss"), ("acc", "train/accuracy"))
 
     def collate(self, examples):
         batch = _pair_batch(examples, self.tokenizer.pad_token_id)
@@ -159,18 +209,13 @@ class RewardTrainer(Trainer):
         return loss.sum(), {"accuracy": m["accuracy"] * n, "margin": m["margin"] * n}
 
 
-class DPOTrainer(Trainer):
-    command = "dpo"
-    progress_keys = ("loss", "reward_accuracy")
+class DPOTrainer(OfflineJob):
+    progress_keys = (("loss", "train/loss"), ("reward acc", "train/reward_accuracy"))
 
     def __init__(self, cfg, model, tokenizer, train_examples, eval_examples, ref_model):
         super().__init__(cfg, model, tokenizer, train_examples, eval_examples)
         self.ref_model = ref_model.eval().requires_grad_(False)
-        share = cfg.share_prompt
-        if share is None:
-            share = (packs_shared_prompts(model)
-                     or sum(p.numel() for p in model.parameters()) >= SHARE_PROMPT_MIN_PARAMS)
-        self.share_prompt = share and has_plain_head(model)
+        self.share_prompt = decide_share_prompt(cfg.share_prompt, model)
         if cfg.precompute_ref:
             for examples in (self.train_examples, self.eval_examples):
                 self._cache_reference(examples)
@@ -240,25 +285,41 @@ def _encode(cfg, tokenizer, kind):
     return train_ex, eval_ex
 
 
-def run_sft(cfg: SFTConfig) -> dict[str, float]:
+def _start(cfg, kind: str):
+    """Process settings, seeds, the resume directory checked, the tokenizer and the data;
+    and where the trained model loads from (the checkpoint when resuming)."""
+    loop.start_run(cfg)
+    resume = loop.check_resumable(cfg.resume_from)
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
-    train_ex, eval_ex = _encode(cfg, tokenizer, "sft")
-    model = load_causal_lm(cfg.model, cfg.dtype, cfg.device, cfg.trust_remote_code)
+    train_ex, eval_ex = _encode(cfg, tokenizer, kind)
+    return tokenizer, train_ex, eval_ex, str(resume or cfg.model)
+
+
+def _causal_lm(cfg, name: str):
+    return fast.prepare_model(load_causal_lm(name, cfg.dtype, cfg.device, cfg.trust_remote_code),
+                              cfg.fast)
+
+
+def run_sft(cfg: SFTConfig) -> dict[str, float]:
+    tokenizer, train_ex, eval_ex, source = _start(cfg, "sft")
+    model = _causal_lm(cfg, source)
+    compile_models(cfg, [model], model.device)
     return SFTTrainer(cfg, model, tokenizer, train_ex, eval_ex).train()
 
 
 def run_rm(cfg: RMConfig) -> dict[str, float]:
-    tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
-    train_ex, eval_ex = _encode(cfg, tokenizer, "preference")
-    seed_everything(cfg.seed)  # the fresh scalar head is drawn from torch's global generator
-    model = load_reward_model(cfg.model, tokenizer, cfg.dtype, cfg.device, cfg.trust_remote_code)
+    tokenizer, train_ex, eval_ex, source = _start(cfg, "preference")
+    loop.seed_everything(cfg.seed)  # a fresh scalar head is drawn from torch's global generator
+    model = fast.prepare_model(load_reward_model(source, tokenizer, cfg.dtype, cfg.device,
+                                                 cfg.trust_remote_code), cfg.fast)
+    compile_models(cfg, [model], model.device)
     return RewardTrainer(cfg, model, tokenizer, train_ex, eval_ex).train()
 
 
 def run_dpo(cfg: DPOConfig) -> dict[str, float]:
-    tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
-    train_ex, eval_ex = _encode(cfg, tokenizer, "preference")
-    model = load_causal_lm(cfg.model, cfg.dtype, cfg.device, cfg.trust_remote_code)
-    ref = load_causal_lm(cfg.ref_model or cfg.model, cfg.dtype, cfg.device,
-                         cfg.trust_remote_code)
-    return DPOTrainer(cfg, model, tokenizer, train_ex, eval_ex, ref).train()
+    tokenizer, train_ex, eval_ex, source = _start(cfg, "preference")
+    model = _causal_lm(cfg, source)
+    ref = _causal_lm(cfg, cfg.ref_model or cfg.model)
+    trainer = DPOTrainer(cfg, model, tokenizer, train_ex, eval_ex, ref)
+    compile_models(cfg, [model, trainer.ref_model], model.device)
+    return trainer.train()

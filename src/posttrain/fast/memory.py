@@ -1,4 +1,5 @@
-"""Process-level settings the trainers apply on start-up."""
+"""Process-level memory settings the trainers apply on start-up (with fast and
+keep_freed_memory on)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,11 @@
 """Typed configuration: dataclasses with a docstring per field, loaded from YAML files and
 ``--key value`` command-line overrides onto the same fields.
 
-Unknown keys are errors that name the closest valid key. Values are converted to the field's
-type and validated once, at start-up, by each config's ``validate``.
+``base`` holds what every run shares, ``offline`` the batching of SFT, RM and DPO, ``rl``
+the on-policy commands. A key a command does not read is an unknown-key error that names the
+closest valid key. Values are converted to the field's type and validated once, at start-up,
+by each config's ``validate``, which also decides the derived values (the default
+``output_dir``, say) so that nothing downstream decides them again.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import itertools
 import textwrap
 import types
 import typing
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 
 import yaml
@@ -25,91 +28,8 @@ class ConfigError(ValueError):
     """A bad configuration key or value, with a message meant for the user."""
 
 
-@dataclass
-class TrainConfig:
-    """Settings every trainer shares."""
-
-    model: str = "builtin"
-    """Policy to start from: a local Hugging Face directory, a hub id, or 'builtin'."""
-    data: str | None = None
-    """Training data: .jsonl, .parquet or a saved `datasets` directory; none = the built-in task."""
-    eval_data: str | None = None
-    """Held-out data in the same format; none = the built-in task's held-out split (or none)."""
-    output_dir: str | None = None
-    """Where metrics, config.yaml, checkpoints and final/ go; default runs/<command>."""
-    seed: int = 0
-    """Seed for Python, torch and data order."""
-    lr: float = 1e-4
-    """Peak learning rate (AdamW)."""
-    lr_schedule: str = "cosine"
-    """constant, linear or cosine decay after warm-up."""
-    warmup_ratio: float = 0.05
-    """Share of the steps spent warming the learning rate up from 0."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    batch_size: int = 16
-    """Examples per micro-batch."""
-    grad_accum: int = 1
-    """Micro-batches per optimiser step; the loss is normalised over the whole step."""
-    epochs: float = 1.0
-    """Passes over the training data (ignored when max_steps > 0)."""
-    max_steps: int = 0
-    """Optimiser steps to run; 0 = derived from epochs."""
-    max_grad_norm: float = 1.0
-    """Gradient-norm clipping threshold; 0 = no clipping."""
-    max_length: int = 512
-    """Longest tokenised example (prompt + completion) allowed."""
-    overlong: str = "error"
-    """What to do with a longer example: error, truncate (cut the completion) or drop."""
-    log_every: int = 10
-    """Write metrics every this many steps."""
-    eval_every: int = 0
-    """Evaluate every this many steps; 0 = at the end only."""
-    save_every: int = 0
-    """Write checkpoint-<step>/ every this many steps; 0 = final model only."""
-    eval_batch_size: int = 64
-    """Examples per evaluation batch."""
-    dtype: str = "float32"
-    """float32, bfloat16 or float16 weights."""
-    device: str = "auto"
-    """cpu, cuda, cuda:N, or auto."""
-    keep_freed_memory: bool = True
-    """Linux/glibc: keep memory the process frees for reuse instead of returning it to the
-    kernel, so each step's activations do not page-fault afresh (13% off a 25M-parameter
-    GRPO update on 2 CPU cores; results unchanged; resident memory stays at its peak).
-    Process-wide; false leaves malloc's defaults alone."""
-    compile: bool = False
-    """torch.compile the RMSNorm and MLP blocks of the trained model, its reference and
-    critic (dynamic shapes; fuses their elementwise work, forward and backward). They compile
-    once, on first use (about 10 s on 2 CPU cores); on one H200 it cut a 25M fp32 GRPO step by 29%,
-    on 2 CPU cores it no longer pays (see the README); needs a C++ compiler (CPU) or triton
-    (CUDA)."""
-    trust_remote_code: bool = False
-    """Run model code shipped with a checkpoint (off unless you trust its source)."""
-    tensorboard: bool = True
-    """Also write TensorBoard events (when tensorboard is installed)."""
-    builtin_train_size: int = 4000
-    """Examples generated for the built-in task's training split."""
-    builtin_eval_size: int = 500
-    """Examples generated for the built-in task's held-out split."""
-
-    def validate(self) -> None:
-        _check(self.lr > 0, "lr must be > 0")
-        _check(self.lr_schedule in ("constant", "linear", "cosine"),
-               "lr_schedule must be constant, linear or cosine")
-        _check(0 <= self.warmup_ratio < 1, "warmup_ratio must be in [0, 1)")
-        _check(self.batch_size >= 1 and self.grad_accum >= 1 and self.eval_batch_size >= 1,
-               "batch_size, grad_accum and eval_batch_size must be ≥ 1")
-        _check(self.epochs > 0 or self.max_steps > 0, "need epochs > 0 or max_steps > 0")
-        _check(self.max_length >= 2, "max_length must be ≥ 2")
-        _check(self.overlong in ("error", "truncate", "drop"),
-               "overlong must be error, truncate or drop")
-        _check(self.dtype in ("float32", "bfloat16", "float16"),
-               "dtype must be float32, bfloat16 or float16")
-        _check(self.max_grad_norm >= 0, "max_grad_norm must be ≥ 0")
-
-
-def _check(ok: bool, message: str) -> None:
+def check(ok: bool, message: str) -> None:
+    """Raise :class:`ConfigError` with ``message`` unless ``ok``."""
     if not ok:
         raise ConfigError(message)
 
@@ -172,6 +92,9 @@ def apply(cfg, values: dict, source: str = "override"):
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ConfigError(f"unknown key {key!r} in {source}{hint}")
         setattr(cfg, name, _convert(name, value, hints[name]))
+        given = getattr(cfg, "given", None)
+        if isinstance(given, set):
+            given.add(name)
     return cfg
 
 
@@ -214,3 +137,12 @@ def load(cls: type, config_file: str | None = None, overrides: list[str] | None 
 
 def dump(cfg, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+
+
+from posttrain.config.base import RunConfig  # noqa: E402  (the classes use check above)
+from posttrain.config.offline import DPOConfig, OfflineConfig, RMConfig, SFTConfig  # noqa: E402
+from posttrain.config.rl import PPOConfig, RLConfig  # noqa: E402
+
+__all__ = ["ConfigError", "DPOConfig", "OfflineConfig", "PPOConfig", "RLConfig", "RMConfig",
+           "RunConfig", "SFTConfig", "apply", "check", "dump", "field_docs", "load",
+           "parse_overrides"]

@@ -1,0 +1,204 @@
+"""Configs of the on-policy commands: ``posttrain grpo`` (the critic-free algorithms) and
+``posttrain ppo`` (per-token KL rewards, with a critic for PPO). Keys that set fields of the
+algorithm's record (clip range, β, γ, λ, ...) are overrides of the table's defaults; keys of
+a critic are refused for an algorithm without one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from posttrain.config import ConfigError, check
+from posttrain.config.base import RunConfig
+from posttrain.core.algorithms import Algorithm, algorithm_names, get_algorithm
+
+
+@dataclass
+class RLConfig(RunConfig):
+    """On-policy RL with verifiable rewards (the critic-free algorithms of the table)."""
+
+    COMMAND: ClassVar[str] = "grpo"
+    ALGOS: ClassVar[list[str]] = algorithm_names(critic=False)
+    algo: str = "grpo"
+    """One of the table's algorithms without a critic: see `posttrain grpo --help`."""
+    reward: str | None = None
+    """Reward terms, comma-separated: builtin, module:function, file.py:function, rm:DIR;
+    none = builtin (the built-in task's exact-answer reward)."""
+    reward_weights: str | None = None
+    """Weights of the reward terms, comma-separated (default 1 each)."""
+    on_reward_error: str = "raise"
+    """raise: stop on a reward that fails or is NaN; skip: leave the sample out and count it."""
+    missing_eos_penalty: float = 0.0
+    """Subtracted from the score of completions that hit max_new_tokens without eos or a
+    stop string."""
+    reward_normalize: bool = False
+    """Normalise scores by the running mean and std of every score seen so far."""
+    reward_clip: float = 0.0
+    """Clip scores (after normalisation) to [-c, c]; 0 = no clipping."""
+    lr: float = 1e-4
+    max_steps: int = 60
+    prompts_per_step: int = 16
+    """Prompts (groups) per step."""
+    group_size: int = 8
+    """Completions per prompt (G)."""
+    minibatch_size: int = 128
+    """Samples per optimiser step (several steps per batch when smaller than the batch)."""
+    micro_batch_size: int = 128
+    """Samples per forward/backward pass; the gradient does not depend on it."""
+    ppo_epochs: int = 1
+    """Passes over each batch of samples (μ). Old log-probs are recorded before the first
+    update whenever a batch gives more than one optimiser step (μ > 1 or minibatch_size
+    below the batch) or the reward carries a KL penalty; otherwise the ratio is 1 and the
+    loss uses the detached current log-probs."""
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: str | None = None
+    """Stop strings, comma-separated (eos always stops)."""
+    kl_coef: float | None = None
+    """Override the algorithm's β (KL to the reference in the loss)."""
+    reward_kl_coef: float | None = None
+    """Override k, the coefficient of the per-token KL penalty in the reward (ppo,
+    reinforce_pp*); with kl_target set, its starting value."""
+    reward_kl_estimator: str | None = None
+    """Override the estimator of that penalty: k1 (default), k2 or k3."""
+    kl_target: float = 0.0
+    """Adaptive KL (Ziegler et al.): move k so the mean per-sequence KL to the reference
+    tracks this many nats; 0 = fixed k."""
+    kl_horizon: float = 10000.0
+    """Samples over which the adaptive controller may move k by up to ±20%."""
+    gamma: float | None = None
+    """Override the discount γ of token-level returns (ppo, reinforce_pp*)."""
+    lam: float | None = None
+    """Override GAE's λ (ppo)."""
+    clip_low: float | None = None
+    """Override the algorithm's ε_low."""
+    clip_high: float | None = None
+    """Override the algorithm's ε_high."""
+    overlong_cache: int = 2
+    """DAPO's soft overlong buffer L_cache, in tokens below max_new_tokens."""
+    dynamic_sampling_rounds: int = 4
+    """Most generation rounds per step when dynamic sampling refills the batch."""
+    share_prompt: bool | None = None
+    """Run each group's prompt once for its G completions in the update, old, reference and
+    critic passes; none = automatic (on when group_size > 1, else from 2M parameters)."""
+    rollout_backend: str = "auto"
+    """The rollout engine: hf (the model's own forward with a KV cache, any model), lean
+    (posttrain.fast's decoder for plain Llama-family models), auto = lean where it applies
+    and fast is on, else hf. Evaluation decodes through the same engine."""
+    reuse_rollout_forward: bool = True
+    """Keep the linear layers' outputs the sampler computed, and let the policy's passes that
+    come before its first optimizer step (the update of a one-update step, the old
+    log-probs) take them instead of running those matmuls again: 2·N FLOPs per completion
+    token saved. Applies with share_prompt where the batch's passes take two calls (prompts,
+    then completions over their KV cache; a batch of short rows packed into one call
+    replays nothing, and the next rollouts are not captured while batches pack), the lean
+    sampler (Llama-family), no dropout and no compile; false = always recompute."""
+    skip_zero_advantage: bool = True
+    """Leave samples with zero advantage and no KL term out of the forward/backward pass
+    (the gradient is the same; false only to measure what skipping saves)."""
+    eval_every: int = 20
+    warmup_ratio: float = 0.0
+    lr_schedule: str = "constant"
+
+    @property
+    def run_name(self) -> str:
+        return self.algo
+
+    def validate(self) -> None:
+        super().validate()
+        check(self.algo in self.ALGOS, f"algo must be one of {', '.join(self.ALGOS)}")
+        check(self.max_steps >= 1, "max_steps must be ≥ 1")
+        check(self.rollout_backend in ("auto", "hf", "lean"),
+               "rollout_backend must be auto, hf or lean")
+        if self.data is not None and not self.reward:
+            raise ConfigError("--data needs --reward (module:function, file.py:function or "
+                              "rm:DIR)")
+        algo = self.algorithm()
+        check(self.group_size >= 2 or not algo.needs_groups,
+               f"group_size must be ≥ 2 for {self.algo}")
+        check(self.reward_clip >= 0 and self.missing_eos_penalty >= 0 and self.kl_target >= 0
+               and self.kl_horizon > 0, "reward_clip, missing_eos_penalty and kl_target must "
+               "be ≥ 0 and kl_horizon > 0")
+        for key in ("reward_kl_coef", "reward_kl_estimator", "gamma", "lam", "kl_target"):
+            if getattr(self, key) and not algo.token_rewards:
+                raise ConfigError(f"{key} applies to algorithms with per-token rewards "
+                                  f"({', '.join(algorithm_names(token_rewards=True))}), "
+                                  f"not to {self.algo}")
+        check(0 <= algo.gamma <= 1 and 0 <= algo.lam <= 1, "gamma and lam must be in [0, 1]")
+        check(self.kl_target == 0 or algo.reward_kl_coef > 0,
+               "kl_target needs a reward KL coefficient > 0 to adapt")
+        check(min(self.prompts_per_step, self.minibatch_size, self.micro_batch_size,
+                   self.ppo_epochs, self.dynamic_sampling_rounds, self.max_new_tokens) >= 1,
+               "prompts_per_step, minibatch_size, micro_batch_size, ppo_epochs, "
+               "dynamic_sampling_rounds and max_new_tokens must be ≥ 1")
+        check(self.on_reward_error in ("raise", "skip"), "on_reward_error must be raise or skip")
+        check(self.temperature > 0, "temperature must be > 0 for RL sampling")
+
+    def _overrides(self) -> dict:
+        """Fields of the algorithm's record that this config sets."""
+        given = {"kl_coef": self.kl_coef, "clip_low": self.clip_low,
+                 "clip_high": self.clip_high, "reward_kl_coef": self.reward_kl_coef,
+                 "reward_kl_estimator": self.reward_kl_estimator, "gamma": self.gamma,
+                 "lam": self.lam}
+        return {k: v for k, v in given.items() if v is not None}
+
+    def algorithm(self) -> Algorithm:
+        try:
+            return get_algorithm(self.algo, **self._overrides())
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+@dataclass
+class PPOConfig(RLConfig):
+    """RLHF with a per-token KL penalty in the reward: PPO with a critic (actor, critic,
+    frozen reference, reward model or function), or REINFORCE++ without one."""
+
+    COMMAND: ClassVar[str] = "ppo"
+    ALGOS: ClassVar[list[str]] = algorithm_names(token_rewards=True)
+    CRITIC_KEYS: ClassVar[tuple[str, ...]] = ("critic_model", "critic_lr",
+                                              "critic_warmup_steps", "value_clip", "value_coef")
+    algo: str = "ppo"
+    """ppo (actor + critic, GAE), reinforce_pp or reinforce_pp_baseline (no critic)."""
+    critic_model: str | None = None
+    """Where the critic starts: a reward-model (posttrain rm) or causal-LM directory; none =
+    the reward model when the reward is a single rm:DIR term, else the policy's weights with
+    a fresh value head."""
+    critic_lr: float = 1e-4
+    """Learning rate of the critic (its own AdamW)."""
+    critic_warmup_steps: int = 0
+    """First steps that train the critic only, leaving the actor as it is."""
+    value_clip: float | None = None
+    """Override ε_v of the clipped value loss (0.2); 0 = unclipped."""
+    value_coef: float | None = None
+    """Override c_v, the weight of the value loss (0.5). The critic has its own AdamW, which
+    is nearly blind to a loss scale, so c_v acts mainly through gradient clipping;
+    critic_lr is the knob that matters."""
+    prompts_per_step: int = 32
+    group_size: int = 4
+    minibatch_size: int = 64
+    micro_batch_size: int = 64
+    ppo_epochs: int = 2
+    lr: float = 5e-5
+
+    def validate(self) -> None:
+        super().validate()
+        if not self.algorithm().critic:
+            self.refuse(self.CRITIC_KEYS, f"{self.algo}, which has no critic")
+        check(self.critic_lr > 0 and self.critic_warmup_steps >= 0,
+               "critic_lr must be > 0 and critic_warmup_steps ≥ 0")
+        check(self.critic_warmup_steps == 0 or self.algorithm().critic,
+               f"critic_warmup_steps needs a critic; {self.algo} has none")
+        check((self.value_clip is None or self.value_clip >= 0)
+               and (self.value_coef is None or self.value_coef > 0),
+               "value_clip must be ≥ 0 and value_coef > 0")
+
+    def _overrides(self) -> dict:
+        out = super()._overrides()
+        if self.value_coef is not None:
+            out["value_coef"] = self.value_coef
+        if self.value_clip is not None:
+            out["value_clip"] = self.value_clip or None  # 0: the plain ½(V - R)²
+        return out
+

@@ -1,0 +1,64 @@
+"""Eager attention for short inputs on the CPU: a forward pre-hook that switches a model
+between its eager and SDPA attention per call, by key length."""
+
+from __future__ import annotations
+
+import types
+
+from transformers import PreTrainedModel
+
+from posttrain.models import backbone, cache_kwarg
+
+# On the CPU, for a short key length the model's eager attention (two matmuls and a softmax)
+# is faster than SDPA's CPU kernel; for long ones SDPA wins and eager's L×L scores cost
+# memory. Forward + backward, causal, 2 threads: 2.6 against 8.8 ms at 38 keys (64 rows × 4
+# heads of 32), 23 against 30 ms at 64 keys, 34 against 38 ms at 128 (8 heads of 64), and
+# 118 against 56 ms at 256. A GRPO step of the 0.5M benchmark model: 4.8% faster.
+EAGER_ATTENTION_MAX_KEYS = 128
+
+def attention_for_keys(model: PreTrainedModel, keys: int) -> str:
+    """Set (and return) the attention implementation a forward over ``keys`` key positions
+    uses on a model prepared by :func:`eager_attention_for_short_inputs`: ``eager`` up to
+    :data:`EAGER_ATTENTION_MAX_KEYS` while the model is on the CPU, else ``sdpa``. Other
+    models are left as they are."""
+    if not getattr(model, "_posttrain_short_eager", False):
+        return model.config._attn_implementation
+    on_cpu = next(model.parameters()).device.type == "cpu"  # it may have moved since
+    impl = "eager" if on_cpu and keys <= EAGER_ATTENTION_MAX_KEYS else "sdpa"
+    if model.config._attn_implementation != impl:
+        model.set_attn_implementation(impl)
+    return impl
+
+def eager_attention_for_short_inputs(model: PreTrainedModel) -> bool:
+    """On the CPU, have a model that uses SDPA attention switch to its eager attention for
+    every forward call whose key length (cached positions + new ones) is at most
+    :data:`EAGER_ATTENTION_MAX_KEYS`, and back for longer ones: a forward pre-hook on its
+    base model decides per call. The two compute the same attention (equal to float
+    rounding, tested). Returns whether the hook was installed (CPU, SDPA, a ``transformers``
+    that can switch)."""
+    try:
+        base = backbone(model)
+    except ValueError:
+        base = None
+    if (next(model.parameters()).device.type != "cpu" or base is None
+            or getattr(model.config, "_attn_implementation", None) != "sdpa"
+            or not hasattr(model, "set_attn_implementation")
+            or getattr(model, "_posttrain_short_eager", False)):
+        return False
+    kwarg = cache_kwarg(base)
+
+    def pick(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+        if ids is None:
+            return
+        cache = kwargs.get(kwarg, kwargs.get("past_key_values"))
+        past = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
+        attention_for_keys(model, past + ids.shape[1])
+
+    model._posttrain_short_eager = True
+    # the shared-prompt layouts build their mask for the implementation a call will use
+    model.posttrain_attention_for_keys = types.MethodType(attention_for_keys, model)
+    base.register_forward_pre_hook(pick, with_kwargs=True)
+    return True

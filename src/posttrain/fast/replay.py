@@ -1,0 +1,224 @@
+"""Replayed projections: the first update after sampling takes the linear-layer outputs the
+lean sampler computed instead of running those matmuls again (2·N FLOPs per completion token
+saved), with the gradients of the real modules.
+
+The activations are only valid for the weights that produced them. A model's *policy
+version* (:func:`policy_version`) moves with every optimiser step that
+:func:`track_policy_version` watches; :class:`DecodeActivations` records the version it was
+captured at, and :meth:`DecodeActivations.replay` refuses (:class:`StaleActivations`) once it
+has moved. The check sits where the activations are used, not in the loop's order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from posttrain.models import decoder_layers
+
+
+class StaleActivations(RuntimeError):
+    """Saved sampler activations offered to a policy that has changed since sampling."""
+
+
+def policy_version(model: torch.nn.Module) -> int:
+    """How many watched optimiser steps have changed ``model`` (0 if none is watched)."""
+    return getattr(model, "_posttrain_policy_version", 0)
+
+
+def track_policy_version(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Move ``model``'s policy version after every step of ``optimizer``."""
+    def bump(*_):
+        model._posttrain_policy_version = policy_version(model) + 1
+    optimizer.register_step_post_hook(bump)
+
+
+class _ReplayedLinear(torch.autograd.Function):
+    """``y = x @ W.T + b`` where ``y`` is already known: the forward returns it, the backward
+    is a linear layer's (input, weight and bias gradients from the saved ``x`` and ``W``)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, y):
+        ctx.save_for_backward(x, weight)
+        ctx.with_bias = bias is not None
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, weight = ctx.saved_tensors
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = gy @ weight
+        flat = gy.reshape(-1, gy.shape[-1])
+        if ctx.needs_input_grad[1]:
+            gw = flat.T @ x.reshape(-1, x.shape[-1])
+        if ctx.with_bias and ctx.needs_input_grad[2]:
+            gb = flat.sum(0)
+        return gx, gw, gb, None
+
+class _ReplayedSwiGLU(torch.autograd.Function):
+    """A SwiGLU MLP, ``down(silu(gate(x)) * up(x))`` without biases, whose gate and up
+    projections ``g``, ``u`` and output ``d`` are already known. The forward returns ``d``;
+    the backward is the MLP's, with ``silu(g) * u`` recomputed from the saved ``g`` and
+    ``u`` (two elementwise ops) instead of kept: autograd through the module keeps
+    ``silu(g)`` and the product as well, two more ``intermediate``-wide tensors per token."""
+
+    @staticmethod
+    def forward(ctx, x, w_gate, w_up, w_down, g, u, d):
+        ctx.save_for_backward(x, w_gate, w_up, w_down, g, u)
+        return d.view_as(d)
+
+    @staticmethod
+    def backward(ctx, gd):
+        import torch.nn.functional as F
+
+        x, w_gate, w_up, w_down, g, u = ctx.saved_tensors
+        act = F.silu(g)
+        gp = gd @ w_down  # gradient of the product silu(g) * u
+        # the gate's and up's output gradients side by side, so the input gradient and the
+        # two weight gradients are one matmul each over both (no add, larger matmuls)
+        inter = g.shape[-1]
+        ggu = gp.new_empty(*gp.shape[:-1], 2 * inter)
+        torch.ops.aten.silu_backward(gp * u, g, grad_input=ggu[..., :inter])
+        torch.mul(gp, act, out=ggu[..., inter:])
+        flat = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
+        need = ctx.needs_input_grad
+        gx = ggu @ torch.cat([w_gate, w_up]) if need[0] else None
+        gw_gate = gw_up = None
+        if need[1] or need[2]:
+            gw = flat(ggu).T @ flat(x)
+            gw_gate, gw_up = gw[:inter] if need[1] else None, gw[inter:] if need[2] else None
+        gw_down = flat(gd).T @ flat(act * u) if need[3] else None
+        return gx, gw_gate, gw_up, gw_down, None, None, None
+
+@contextlib.contextmanager
+def replay_forward(outputs: dict[torch.nn.Module, torch.Tensor | tuple] | None):
+    """Within the block, each module in ``outputs`` returns its given output instead of
+    computing it, with the gradients of the real module: a forward whose matmuls were
+    already computed elsewhere (the sampler's, see :class:`DecodeActivations`) costs only
+    its other ops. A ``nn.Linear`` maps to its output; a SwiGLU MLP (``gate_proj``,
+    ``up_proj``, ``down_proj`` without biases, SiLU) to ``(gate output, up output, MLP
+    output)``, and keeps less for its backward than autograd would (``_ReplayedSwiGLU``).
+
+    The caller vouches that the outputs are what the modules would compute on this call's
+    inputs (same weights, same tokens); a call whose input shape does not match its
+    output's, or a module called twice, raises. Each output is taken out of ``outputs``
+    when its module runs, so one that the backward does not need is freed as soon as the
+    forward is done with it (if the caller holds no other reference). ``None`` changes
+    nothing."""
+    if not outputs:
+        yield
+        return
+
+    def replayed(module):
+        def forward(x):
+            y = outputs.pop(module, None)
+            if y is None:
+                raise RuntimeError("a replayed module ran twice in one forward")
+            out = y[-1] if isinstance(y, tuple) else y
+            if x.shape[:-1] != out.shape[:-1]:
+                raise RuntimeError(f"replayed {type(module).__name__} got input "
+                                   f"{tuple(x.shape)} for saved output {tuple(out.shape)}")
+            if isinstance(y, tuple):
+                return _ReplayedSwiGLU.apply(x, module.gate_proj.weight, module.up_proj.weight,
+                                             module.down_proj.weight, *y)
+            return _ReplayedLinear.apply(x, module.weight, module.bias, y)
+        return forward
+
+    modules = list(outputs)
+    for module in modules:
+        module.forward = replayed(module)
+    try:
+        yield
+    finally:
+        for module in modules:
+            del module.forward
+
+
+@dataclass
+class DecodeActivations:
+    """What the sampler's forward computed, kept so the first update after sampling need not
+    compute it again: for each decoder layer, the outputs of its projections at each
+    completion position, ``(N, Tc, features)`` per layer and projection — ``qk`` (q and k
+    side by side, before rotation), ``v``, ``o``, ``gu`` (gate and up side by side) and
+    ``down``. Each is its own tensor, so those the backward does not need (q and k, o and
+    down) are freed as the forward that replays them goes through the layers.
+
+    Column ``t`` holds what the model computed on completion token ``t`` (the position
+    that predicts token ``t + 1``). A row's last token, and its padding, were never fed to
+    the model: those columns are zero, and nothing a loss reads depends on them.
+    """
+
+    layers: list[dict[str, torch.Tensor]]
+    version: int = 0
+    """The sampling policy's :func:`policy_version` when these were captured."""
+
+    def rows(self, rows: torch.Tensor) -> DecodeActivations:
+        """The samples ``rows``; a view when they are a contiguous ascending range (the
+        whole batch, say), else a copy."""
+        r = rows.tolist()
+        if r and r == list(range(r[0], r[0] + len(r))):
+            sl = slice(r[0], r[0] + len(r))
+            return DecodeActivations([{k: v[sl] for k, v in d.items()} for d in self.layers],
+                                     self.version)
+        return DecodeActivations([{k: v[rows] for k, v in d.items()} for d in self.layers],
+                                 self.version)
+
+    def replay(self, model, columns: int) -> contextlib.AbstractContextManager:
+        """A context in which ``model``'s projections return these outputs
+        (:func:`replay_forward`), for the completion call of a shared-prompt pass over the
+        first ``columns`` positions. Raises :class:`StaleActivations` if ``model`` has taken
+        an optimiser step since they were captured."""
+        now = policy_version(model)
+        if now != self.version:
+            raise StaleActivations(
+                f"sampler activations of policy version {self.version} offered to version "
+                f"{now}: the policy changed since sampling, so they must be recomputed")
+        return replay_forward(self.replay_map(model, columns))
+
+    @classmethod
+    def concat(cls, parts: list[DecodeActivations], T: int) -> DecodeActivations | None:
+        """Several rollouts' activations as one, padded with zeros to ``T`` columns."""
+        if len(parts) == 1 and all(v.shape[1] == T for d in parts[0].layers for v in d.values()):
+            return parts[0]
+
+        def pad(x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.pad(x, (0, 0, 0, T - x.shape[1]))
+
+        if len({p.version for p in parts}) > 1:
+            return None  # sampled by different policies: not one batch's activations
+        layers = [{k: torch.cat([pad(p.layers[i][k]) for p in parts]) for k in parts[0].layers[i]}
+                  for i in range(len(parts[0].layers))]
+        return cls(layers, parts[0].version)
+
+    def replay_map(self, model, columns: int) -> dict[torch.nn.Module, torch.Tensor | tuple]:
+        """What :func:`modeling.replay_forward` takes for ``model``: each attention
+        projection mapped to its saved output, each MLP to its gate, up and output, over the
+        first ``columns`` completion positions."""
+        out: dict[torch.nn.Module, torch.Tensor | tuple] = {}
+        for layer, saved in zip(decoder_layers(model), self.layers, strict=True):
+            a = layer.self_attn
+            cut = {k: v[:, :columns] for k, v in saved.items()}
+            inter = cut["gu"].shape[-1] // 2
+            q = a.q_proj.out_features
+            out.update({a.q_proj: cut["qk"][..., :q], a.k_proj: cut["qk"][..., q:],
+                        a.v_proj: cut["v"],
+                        a.o_proj: cut["o"], layer.mlp: (cut["gu"][..., :inter],
+                                                        cut["gu"][..., inter:], cut["down"])})
+        return out
+
+def can_replay(model) -> bool:
+    """Whether the update's forward may take ``model``'s projections from its lean sampler
+    (:class:`DecodeActivations`): a model the lean decoder runs (plain ``nn.Linear``
+    projections, a bias-free SwiGLU MLP that ``modeling.replay_forward`` knows), whose
+    training forward computes what sampling computed (no dropout, no gradient
+    checkpointing)."""
+    checkpointing = any(getattr(m, "gradient_checkpointing", False) is True
+                        for m in model.modules())
+    dropout = getattr(model.config, "attention_dropout", 0.0) or any(
+        isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
+    from posttrain.fast.lean import LeanLlamaDecoder
+
+    return LeanLlamaDecoder.supports(model) and not checkpointing and not dropout

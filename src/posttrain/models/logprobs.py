@@ -1,0 +1,111 @@
+"""Per-token log-probabilities, hidden states, values and scores of Hugging Face models,
+computed at the positions that need them only.
+
+The LM head runs only at completion positions: prompt and padding positions never become
+logits, so a pass holds ``(N, V)`` logits for its ``N`` completion tokens, never
+``(B, T, V)``. A head that transforms its logits (Gemma-2/3's final soft-capping, Cohere's
+logit scale, Granite's logit scaling) has the transform applied to those rows
+(:func:`head_logits`), the same arithmetic as the model's own forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+from posttrain.core import token_entropy, token_logprobs
+from posttrain.models.loading import backbone
+
+
+def has_plain_head(model: PreTrainedModel) -> bool:
+    """Whether the model's logits are its output embeddings applied to the last hidden
+    state, followed at most by a transform :func:`head_logits` knows; then the head may run
+    on the positions that need it only."""
+    return model.get_output_embeddings() is not None
+
+
+def head_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
+    """Logits ``(N, V)`` from last hidden states ``(N, H)``: the output embeddings, then the
+    model family's logit transform, as its forward applies it."""
+    logits = model.get_output_embeddings()(hidden)
+    cfg = model.config
+    scale = getattr(cfg, "logit_scale", None)  # Cohere: multiplied
+    if scale not in (None, 1.0):
+        logits = logits * scale
+    scaling = getattr(cfg, "logits_scaling", None)  # Granite: divided
+    if scaling not in (None, 1.0):
+        logits = logits / scaling
+    cap = getattr(cfg, "final_logit_softcapping", None)  # Gemma-2/3
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def scatter_logprobs(logits: torch.Tensor, labels: torch.Tensor, target: torch.Tensor,
+                     with_entropy: bool):
+    """Log-probs of ``labels`` from packed ``logits`` ``(N, V)``, written back to the
+    positions ``target`` marks (0 elsewhere); optionally the entropy too, without gradient."""
+    lp = token_logprobs(logits, labels)  # (N,)
+    out = torch.zeros(target.shape, dtype=lp.dtype, device=lp.device).masked_scatter(target, lp)
+    if not with_entropy:
+        return out
+    with torch.no_grad():
+        ent = token_entropy(logits.detach())
+    return out, torch.zeros_like(out).masked_scatter(target, ent)
+
+
+def completion_logprobs(model: PreTrainedModel, input_ids: torch.Tensor,
+                        attention_mask: torch.Tensor, loss_mask: torch.Tensor,
+                        with_entropy: bool = False):
+    """Log-probabilities of the tokens marked by ``loss_mask``, ``(B, T-1)``.
+
+    ``input_ids``, ``attention_mask``, ``loss_mask`` are ``(B, T)``; entry ``t`` of the result
+    is ``log π(input_ids[t+1] | input_ids[≤t])`` where ``loss_mask[t+1]`` is set, else 0. The
+    LM head runs only at those positions: prompt and padding positions never become logits.
+    With ``with_entropy`` it also returns the policy's entropy at the same positions
+    ``(B, T-1)``, computed without gradient from the same logits (a metric).
+    """
+    target = loss_mask[:, 1:].bool()  # (B, T-1)
+    labels = input_ids[:, 1:][target]  # (N,)
+    if has_plain_head(model):
+        hidden = completion_hidden(model, input_ids, attention_mask, loss_mask)
+        logits = head_logits(model, hidden)  # (N, V)
+    else:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                       use_cache=False).logits[:, :-1][target]
+    return scatter_logprobs(logits, labels, target, with_entropy)
+
+def completion_hidden(model: PreTrainedModel, input_ids: torch.Tensor,
+                      attention_mask: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Last hidden states at the positions that predict the tokens ``loss_mask`` marks,
+    ``(N, H)`` in row-major order of ``loss_mask[:, 1:]``: what an LM head turns into
+    log-probs and a critic's value head into values ``V(x, y_<t)``."""
+    hidden = backbone(model)(input_ids=input_ids, attention_mask=attention_mask,
+                              use_cache=False).last_hidden_state  # (B, T, H)
+    return hidden[:, :-1][loss_mask[:, 1:].bool()]
+
+def value_head(model: PreTrainedModel) -> torch.nn.Module:
+    """The scalar head of a reward or critic model (``*ForSequenceClassification.score``)."""
+    head = getattr(model, "score", None)
+    if not isinstance(head, torch.nn.Module):
+        raise ValueError(f"{type(model).__name__} has no scalar `score` head to use as a critic")
+    return head
+
+def sequence_scores(model: PreTrainedModel, input_ids: torch.Tensor,
+                    attention_mask: torch.Tensor) -> torch.Tensor:
+    """Scalar score of each sequence, read at its last non-padding token, ``(B,)``.
+
+    The position comes from ``attention_mask`` (not from the pad id, which may equal eos), so
+    left and right padding both work.
+    """
+    head = getattr(model, "score", None)
+    T = attention_mask.shape[1]
+    positions = torch.arange(T, device=attention_mask.device)
+    last = torch.where(attention_mask.bool(), positions, -1).amax(dim=1)  # (B,)
+    rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+    if isinstance(head, torch.nn.Module):
+        hidden = backbone(model)(input_ids=input_ids, attention_mask=attention_mask,
+                                  use_cache=False).last_hidden_state
+        return head(hidden[rows, last]).squeeze(-1).float()
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    return logits.squeeze(-1).float() if logits.dim() == 2 else logits[rows, last, 0].float()

@@ -1,0 +1,197 @@
+"""The rollout engine interface, and the decoding loop the two in-process engines share.
+
+An engine is an object the trainer holds for the whole run:
+
+- ``generate(prompts, n, params, generator, capture) -> Rollout``: ``n`` samples per prompt;
+- ``update_weights(policy)``: after the last optimiser step of each RL step, so the sampler
+  samples from the policy being trained (an engine with its own copy of the weights, vLLM
+  say, copies them here);
+- ``close()``: release what the engine holds.
+
+For P prompts and G samples each, the in-process engines prefill the P (left-padded)
+prompts once with the model's forward, repeat the cache G times, and decode token by token:
+one forward of the active rows per step, temperature / top-k / top-p on the last logits only,
+and rows that finished (eos, a stop string, or the token budget) are dropped from the cache
+so later steps run on fewer rows. ``transformers.generate`` does the same sampling with more
+per-token machinery (logits processors, stopping criteria objects, a padded batch to the
+end); for small models that overhead is most of the time. What differs between engines is
+the decoder of one step (:meth:`DecodingEngine.decoder`).
+
+Sampling log-probabilities are those of the distribution actually sampled from (after
+temperature, top-k and top-p); with ``temperature=1`` and no truncation they equal the
+policy's log-probabilities of the tokens, up to floating-point differences between the
+incremental and the full forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from posttrain.data import pad_left
+from posttrain.models import cache_kwarg
+from posttrain.rollout.types import Rollout, SamplingParams, cut_at_stop
+
+
+class RolloutEngine:
+    """The interface the trainers hold (see the module docstring)."""
+
+    name = "engine"
+    can_capture = False
+    """Whether ``generate(..., capture=True)`` returns the projections' outputs."""
+
+    def generate(self, prompts: list[str], n: int = 1, params: SamplingParams | None = None,
+                 generator: torch.Generator | None = None, capture: bool = False) -> Rollout:
+        raise NotImplementedError
+
+    def update_weights(self, policy) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+def sample_tokens(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row from ``logits`` (R, V); return (tokens, log-probs)."""
+    logits = logits.float()
+    if p.temperature == 0:
+        tokens = logits.argmax(-1)
+        return tokens, torch.zeros_like(tokens, dtype=torch.float32)
+    logits = logits / p.temperature
+    if p.top_k and p.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, p.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the mass before it already reaches top_p (the first always stays)
+        drop = probs.cumsum(-1) - probs >= p.top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    logp = logits.log_softmax(-1)
+    # Inverse-CDF sampling: one uniform number per row (torch.multinomial, or a Gumbel /
+    # exponential race, draw one per vocabulary entry, which dominates a small model's step).
+    cdf = logp.exp().cumsum(-1)
+    # drawn on the generator's device (a CPU generator drives a CUDA policy too), then moved
+    u = torch.rand(len(cdf), 1, generator=gen,
+                   device=gen.device if gen is not None else cdf.device).to(cdf.device)
+    u = u * cdf[:, -1:]
+    tokens = torch.searchsorted(cdf, u).squeeze(-1).clamp_max(cdf.shape[-1] - 1)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+def compaction(live: torch.Tensor) -> torch.Tensor:
+    """The rows to keep, in their new cache order, when only ``live`` (R,) rows go on: slot
+    ``p`` of the first ``n = live.sum()`` keeps its row when that row is live, and a finished
+    row's slot takes a live row from beyond ``n``. Only as many cache rows move as rows
+    finished (keeping the live rows in order would move every row after the first one
+    that finished, each step a row finishes)."""
+    n = int(live.sum())
+    rows = torch.arange(n, device=live.device)
+    holes = (~live[:n]).nonzero().squeeze(-1)
+    rows[holes] = live[n:].nonzero().squeeze(-1) + n
+    return rows
+
+
+class DecodingEngine(RolloutEngine):
+    """An engine that decodes with the policy module itself, in this process: it holds the
+    module, not a copy, so ``update_weights`` only rebinds it."""
+
+    def __init__(self, model, tokenizer):
+        self.model, self.tokenizer = model, tokenizer
+
+    def update_weights(self, policy) -> None:
+        self.model = policy  # the same weights, already updated in place
+
+    def close(self) -> None:
+        self.model = None
+
+    def decoder(self, cache, n: int, max_len: int, mask: torch.Tensor, pos: torch.Tensor,
+                capture: bool):
+        """The object that runs one decode step (``step(tokens) -> logits``, ``select(rows)``,
+        ``activations(columns, end)``) over the prefilled ``cache``."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def generate(self, prompts: list[str], n: int = 1, params: SamplingParams | None = None,
+                 generator: torch.Generator | None = None, capture: bool = False) -> Rollout:
+        """Sample ``n`` completions for each prompt (see the module docstring). ``capture``:
+        keep the projections' outputs in ``Rollout.activations`` (engines that can only)."""
+        model, tokenizer = self.model, self.tokenizer
+        params = params or SamplingParams()
+        params.validate()
+        device = next(model.parameters()).device
+        pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+        prompt_ids = [tokenizer(p)["input_ids"] for p in prompts]
+        P, Lp = len(prompt_ids), max(len(x) for x in prompt_ids)
+        N, T = P * n, params.max_new_tokens
+
+        ids, mask = pad_left(prompt_ids, pad_id)  # every prompt ends at column Lp - 1
+        ids, mask = ids.to(device), mask.to(device)
+        positions = (mask.cumsum(-1) - 1).clamp_min(0)
+
+        was_training = model.training
+        model.eval()
+        cache = DynamicCache()
+        kw = cache_kwarg(model)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                    use_cache=True, logits_to_keep=1, **{kw: cache})
+        logits = out.logits[:, -1].repeat_interleave(n, dim=0)  # (N, V)
+        mask = mask.repeat_interleave(n, dim=0)
+        next_pos = positions[:, -1].repeat_interleave(n) + 1
+        decoder = self.decoder(cache, n, Lp + T, mask, next_pos, capture and self.can_capture)
+
+        tokens = torch.full((N, T), pad_id, dtype=torch.long, device=device)
+        logps = torch.zeros(N, T, device=device)
+        done = torch.zeros(N, dtype=torch.bool, device=device)
+        end = torch.full((N,), T - 1, dtype=torch.long, device=device)  # last step of each row
+        active = None  # rows still in the cache, in cache order; None while that is all of them
+        stop = params.stop
+        steps = 0
+        for t in range(T):
+            tok, lp = sample_tokens(logits, params, generator)
+            if active is None:
+                tokens[:, t], logps[:, t] = tok, lp
+            else:
+                tokens[active, t], logps[active, t] = tok, lp
+            steps = t + 1
+            finished = tok == eos_id
+            if stop:
+                rows = range(N) if active is None else active.tolist()
+                for j, row in enumerate(rows):
+                    if not finished[j]:
+                        text = tokenizer.decode(tokens[row, :t + 1], skip_special_tokens=True)
+                        finished[j] = any(s in text for s in stop)
+            if finished.any():  # the loop's one host sync per step
+                rows = finished.nonzero().squeeze(-1) if active is None else active[finished]
+                done[rows] = True
+                end[rows] = t
+                keep = compaction(~finished)
+                if len(keep) == 0 or t == T - 1:
+                    break
+                decoder.select(keep)
+                active = keep if active is None else active[keep]
+                tok = tok[keep]
+            if t == T - 1:
+                break
+            logits = decoder.step(tok)
+        model.train(was_training)
+        activations = decoder.activations(steps, end.clamp_max(steps - 1))
+
+        tokens, logps = tokens[:, :steps].cpu(), logps[:, :steps].cpu()
+        done, end = done.cpu(), end.cpu().clamp_max(steps - 1)
+        # a row's completion runs up to and including the token that finished it (its first eos
+        # or the one completing a stop string), else to the end; it is pad from there on
+        cols = torch.arange(steps)
+        completion_mask = (cols[None, :] <= end[:, None]).long()
+        if steps == 0:
+            completion_mask = completion_mask[:, :0]
+        tokens = tokens.masked_fill(completion_mask == 0, pad_id)
+        logps = logps.masked_fill(completion_mask == 0, 0.0)
+        texts = tokenizer.batch_decode(tokens, skip_special_tokens=True)
+        if stop:
+            texts = [cut_at_stop(x, stop) for x in texts]
+        return Rollout(prompt_ids=[x for x in prompt_ids for _ in range(n)],
+                       completion_ids=tokens, completion_mask=completion_mask, logprobs=logps,
+                       truncated=~done, group_ids=torch.arange(P).repeat_interleave(n),
+                       texts=texts, activations=activations)

@@ -1,0 +1,27 @@
+"""The ``lean`` rollout engine: decode steps run by ``posttrain.fast.lean``'s decoder (plain
+Llama-family models), which can capture the projections' outputs for the update to replay."""
+
+from __future__ import annotations
+
+from posttrain.fast.lean import LeanLlamaDecoder
+from posttrain.rollout.engine import DecodingEngine
+
+
+class LeanEngine(DecodingEngine):
+    """Decode with :class:`LeanLlamaDecoder`; only for models it supports."""
+
+    name = "lean"
+    can_capture = True
+
+    @staticmethod
+    def supports(model) -> bool:
+        return LeanLlamaDecoder.supports(model)
+
+    def __init__(self, model, tokenizer):
+        if not self.supports(model):
+            raise ValueError(f"rollout_backend=lean: {type(model).__name__} is not a plain "
+                             "Llama-family model the lean decoder runs; use hf or auto")
+        super().__init__(model, tokenizer)
+
+    def decoder(self, cache, n, max_len, mask, pos, capture):
+        return LeanLlamaDecoder(self.model, cache, n, max_len, mask, pos, capture)

@@ -1,0 +1,100 @@
+"""What a rollout engine takes and returns: :class:`SamplingParams` and :class:`Rollout`,
+and the batch operations on rollouts (select rows, concatenate rounds)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """How completions are sampled."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 32
+    stop: tuple[str, ...] = ()
+
+    def validate(self) -> None:
+        if self.temperature < 0:
+            raise ValueError("temperature must be ≥ 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0 or self.max_new_tokens < 1:
+            raise ValueError("top_k must be ≥ 0 and max_new_tokens ≥ 1")
+
+@dataclass
+class Rollout:
+    """``N = P·G`` sampled completions; rows of one prompt are contiguous."""
+
+    prompt_ids: list[list[int]]
+    """Token ids of each sample's prompt (no padding), length N."""
+    completion_ids: torch.Tensor
+    """(N, Tc) generated tokens, right-padded with the pad id."""
+    completion_mask: torch.Tensor
+    """(N, Tc) 1 on generated tokens (including a closing eos)."""
+    logprobs: torch.Tensor
+    """(N, Tc) log-probability of each generated token under the sampling distribution."""
+    truncated: torch.Tensor
+    """(N,) True where the token budget ran out before eos or a stop string."""
+    group_ids: torch.Tensor
+    """(N,) index of the prompt each sample came from."""
+    texts: list[str]
+    """Decoded completions without special tokens (cut at a stop string)."""
+    activations: Any = None
+    """The outputs of the policy's projections at each completion position, saved while
+    sampling (``capture=True`` on an engine that can: ``posttrain.fast.replay``'s
+    ``DecodeActivations``); None when not captured. Opaque here: rows are selected with its
+    ``rows`` and rounds joined with its ``concat``."""
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.completion_mask.sum(-1)
+
+def select(r: Rollout, rows: torch.Tensor) -> Rollout:
+    """The samples ``rows`` (indices, in order) of a rollout; group ids are kept."""
+    idx = rows.tolist()
+    return Rollout(prompt_ids=[r.prompt_ids[i] for i in idx], completion_ids=r.completion_ids[rows],
+                   completion_mask=r.completion_mask[rows], logprobs=r.logprobs[rows],
+                   truncated=r.truncated[rows], group_ids=r.group_ids[rows],
+                   texts=[r.texts[i] for i in idx],
+                   activations=None if r.activations is None else r.activations.rows(rows))
+
+def concat(rollouts: list[Rollout], pad_id: int) -> Rollout:
+    """One rollout from several; completions are re-padded to the longest, and group ids
+    renumbered so groups stay distinct."""
+    T = max(r.completion_ids.shape[1] for r in rollouts)
+
+    def pad(x: torch.Tensor, value) -> torch.Tensor:
+        return torch.nn.functional.pad(x, (0, T - x.shape[1]), value=value)
+
+    offset, groups = 0, []
+    for r in rollouts:
+        _, ids = torch.unique(r.group_ids, return_inverse=True)
+        groups.append(ids + offset)
+        offset += int(ids.max()) + 1 if len(ids) else 0
+    return Rollout(
+        prompt_ids=[p for r in rollouts for p in r.prompt_ids],
+        completion_ids=torch.cat([pad(r.completion_ids, pad_id) for r in rollouts]),
+        completion_mask=torch.cat([pad(r.completion_mask, 0) for r in rollouts]),
+        logprobs=torch.cat([pad(r.logprobs, 0.0) for r in rollouts]),
+        truncated=torch.cat([r.truncated for r in rollouts]),
+        group_ids=torch.cat(groups),
+        texts=[t for r in rollouts for t in r.texts],
+        activations=_concat_activations([r.activations for r in rollouts], T))
+
+
+def _concat_activations(parts: list, T: int):
+    """The rounds' activations as one (their own ``concat``), or None unless every round
+    has them."""
+    if not parts or any(p is None for p in parts):
+        return None
+    return type(parts[0]).concat(parts, T)
+
+def cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
+    cut = min((i for s in stop if (i := text.find(s)) >= 0), default=len(text))
+    return text[:cut]

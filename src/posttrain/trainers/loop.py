@@ -1,0 +1,322 @@
+"""The one run loop every trainer uses: SFT, reward model, DPO and the on-policy loop.
+
+It owns, once for all of them: seeding and the process settings, the output directory
+(``config.yaml``, ``metrics.jsonl``, TensorBoard), the learning-rate schedule and warm-up
+(a function of the step, so a resumed run continues it exactly), gradient clipping
+(:class:`Optim`), the progress bar with live metrics, the cadences — every ``log_every``
+steps one metrics row of the window's means and a progress line, every ``eval_every`` an
+evaluation, every ``save_every`` a checkpoint — and checkpoints that resume bit-exactly:
+models, optimisers, RNG states, the trainer's own state (data position, sampling
+generator, KL coefficient, ...) and the metrics window.
+
+A trainer is a :class:`Job`: it says what one step does and what its state is; it never
+logs, checkpoints or sets a learning rate itself.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from safetensors.torch import load_file, save_file
+
+from posttrain import config as config_mod
+from posttrain import fast
+from posttrain.trainers import checkpoint as ckpt
+
+console = Console(stderr=True)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def lr_lambda(schedule: str, warmup: int, total: int):
+    """The multiplier of the peak learning rate at (0-based) step ``step``."""
+    def fn(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if schedule == "constant":
+            return 1.0
+        progress = (step - warmup) / max(1, total - warmup)
+        if schedule == "linear":
+            return max(0.0, 1.0 - progress)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    return fn
+
+
+def adamw(params, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """The optimiser of every trainer. The fused kernel (one launch for all parameters) also
+    exists on CPU; it matters for small models, whose step is dominated by per-tensor
+    overhead."""
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
+
+
+class Optim:
+    """AdamW over a model's trainable parameters, with its peak learning rate (the loop
+    sets the scheduled rate before each step) and the run's gradient clipping."""
+
+    def __init__(self, name: str, model: torch.nn.Module, lr: float, weight_decay: float,
+                 max_grad_norm: float):
+        self.name, self.peak_lr, self.max_grad_norm = name, lr, max_grad_norm
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.opt = adamw(self.params, lr, weight_decay)
+
+    def set_lr(self, scale: float) -> float:
+        for group in self.opt.param_groups:
+            group["lr"] = self.peak_lr * scale
+        return self.peak_lr * scale
+
+    def step(self) -> float:
+        """Clip (when max_grad_norm > 0), step, zero the gradients; the gradient norm before
+        clipping."""
+        if self.max_grad_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+        else:  # the norm only (torch < 2.6 has no get_total_norm: clip at infinity)
+            total = getattr(torch.nn.utils, "get_total_norm", None)
+            norm = (total([p.grad for p in self.params if p.grad is not None]) if total
+                    else torch.nn.utils.clip_grad_norm_(self.params, float("inf")))
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return float(norm)
+
+
+@dataclass
+class StepResult:
+    """What one step reports: ``sums`` of per-unit metrics over ``units`` loss units (tokens,
+    pairs), averaged over the window by unit; ``values`` per-step metrics, averaged over
+    the window's steps."""
+
+    sums: dict[str, float] = field(default_factory=dict)
+    units: float = 0.0
+    values: dict[str, float] = field(default_factory=dict)
+
+
+class Job:
+    """What a trainer gives the loop. ``optimizers`` are :class:`Optim` objects the job
+    steps; the loop schedules their learning rates and checkpoints them."""
+
+    name = "train"
+    progress_keys: tuple[tuple[str, str], ...] = ()
+    """(label, metric key) pairs shown in the progress bar and lines."""
+    eval_at_start = False
+    optimizers: list[Optim]
+
+    def step(self, step: int) -> StepResult:
+        raise NotImplementedError
+
+    def evaluate(self) -> dict[str, float]:
+        return {}
+
+    def save(self, path: Path) -> None:
+        """The models as Hugging Face directories under ``path``."""
+        raise NotImplementedError
+
+    def state(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        """The job's own resumable state: JSON-able values and tensors."""
+        return {}, {}
+
+    def load_state(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class MetricsWriter:
+    """Appends one JSON object per logged step to metrics.jsonl, mirrored to TensorBoard."""
+
+    def __init__(self, output_dir: Path, tensorboard: bool):
+        self.path = output_dir / "metrics.jsonl"
+        self.file = self.path.open("a")
+        self.tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(output_dir / "tensorboard"))
+            except ImportError:
+                pass
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for k, v in metrics.items():
+                self.tb.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def prepare_output(cfg, output_dir: Path) -> None:
+    """Create ``output_dir`` and write the resolved ``config.yaml``. A fresh run into a
+    directory that already has a ``metrics.jsonl`` moves it aside to
+    ``metrics.prev-<n>.jsonl`` (nothing is lost, and the two runs' rows never mix)."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    metrics = output_dir / "metrics.jsonl"
+    if not cfg.resume_from and metrics.exists() and metrics.stat().st_size:
+        n = 1
+        while (output_dir / f"metrics.prev-{n}.jsonl").exists():
+            n += 1
+        metrics.rename(output_dir / f"metrics.prev-{n}.jsonl")
+        print(f"{metrics} held an earlier run's metrics: moved to metrics.prev-{n}.jsonl",
+              flush=True)
+    config_mod.dump(cfg, output_dir / "config.yaml")
+
+
+def start_run(cfg) -> None:
+    """What every run does before it builds its models: the process settings and seeds."""
+    fast.prepare_process(cfg)
+    seed_everything(cfg.seed)
+
+
+class Window:
+    """The metrics of the steps since the last logged row."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = {}
+        self.units = 0.0
+        self.values: dict[str, float] = {}
+        self.steps = 0
+
+    def add(self, r: StepResult, seconds: float) -> None:
+        for k, v in r.sums.items():
+            self.sums[k] = self.sums.get(k, 0.0) + v
+        self.units += r.units
+        for k, v in {**r.values, "time/step_s": seconds}.items():
+            self.values[k] = self.values.get(k, 0.0) + v
+        self.steps += 1
+
+    def means(self) -> dict[str, float]:
+        out = {k: v / max(self.units, 1) for k, v in self.sums.items()}
+        out.update({k: v / self.steps for k, v in self.values.items()})
+        return out
+
+    def state(self) -> dict:
+        return {"sums": self.sums, "units": self.units, "values": self.values,
+                "steps": self.steps}
+
+    def load(self, s: dict) -> None:
+        self.sums, self.units = s["sums"], s["units"]
+        self.values, self.steps = s["values"], s["steps"]
+
+
+def save_checkpoint(path: Path, job: Job, step: int, window: Window) -> None:
+    """Everything a resume needs, written atomically (see :mod:`.checkpoint`)."""
+    def write(tmp: Path) -> None:
+        job.save(tmp)
+        for o in job.optimizers:
+            ckpt.save_optimizer(o.opt, tmp / f"optimizer-{o.name}")
+        rng_meta, rng_tensors = ckpt.rng_state()
+        meta, tensors = job.state()
+        save_file({**{f"rng.{k}": v for k, v in rng_tensors.items()},
+                   **{f"job.{k}": v.contiguous() for k, v in tensors.items()}},
+                  str(tmp / "state.safetensors"))
+        (tmp / ckpt.STATE).write_text(json.dumps(
+            {"step": step, "rng": rng_meta, "job": meta, "window": window.state()}))
+    ckpt.write_atomically(path, write)
+
+
+def load_checkpoint(path: Path, job: Job, window: Window) -> int:
+    """Restore what :func:`save_checkpoint` wrote (the job has already loaded its models
+    from ``path``); returns the step."""
+    state = json.loads((path / ckpt.STATE).read_text())
+    tensors = load_file(str(path / "state.safetensors"))
+    for o in job.optimizers:
+        ckpt.load_optimizer(o.opt, path / f"optimizer-{o.name}")
+    job.load_state(state["job"], {k[4:]: v for k, v in tensors.items() if k.startswith("job.")})
+    ckpt.set_rng_state(state["rng"], {k[4:]: v for k, v in tensors.items()
+                                      if k.startswith("rng.")})
+    window.load(state["window"])
+    return int(state["step"])
+
+
+def check_resumable(path: str | None) -> Path | None:
+    """The checkpoint directory ``resume_from`` names, checked before any model loads."""
+    if not path:
+        return None
+    p = Path(path)
+    if not (p / ckpt.STATE).exists():
+        raise FileNotFoundError(f"resume_from={p}: not a checkpoint directory (no {ckpt.STATE})")
+    return p
+
+
+def run(cfg, job: Job, total_steps: int) -> dict[str, float]:
+    """Run ``job`` for ``total_steps`` steps (see the module docstring); returns the last
+    value of every metric logged."""
+    out = Path(cfg.output_dir)
+    prepare_output(cfg, out)
+    window = Window()
+    step0 = 0
+    if cfg.resume_from:
+        step0 = load_checkpoint(Path(cfg.resume_from), job, window)
+        ckpt.truncate_metrics(out / "metrics.jsonl", step0)
+        print(f"[{job.name}] resumed from {cfg.resume_from} at step {step0}", flush=True)
+    writer = MetricsWriter(out, cfg.tensorboard)
+    schedule = lr_lambda(cfg.lr_schedule, int(cfg.warmup_ratio * total_steps), total_steps)
+    last: dict[str, float] = {}
+    start: dict[str, float] = {}
+    t_start = time.perf_counter()
+    interactive = console.is_terminal
+    progress = Progress(TextColumn(f"[bold]{job.name}"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("{task.fields[info]}"), TimeRemainingColumn(),
+                        console=console, disable=not interactive)
+    try:
+        if job.eval_at_start and step0 == 0:
+            start = job.evaluate()
+            if start:
+                writer.write(0, start)
+                print(json.dumps({"step": 0, **start}), flush=True)
+        with progress:
+            task = progress.add_task(job.name, total=total_steps, completed=step0, info="")
+            for step in range(step0 + 1, total_steps + 1):
+                t0 = time.perf_counter()
+                lrs = [o.set_lr(schedule(step - 1)) for o in job.optimizers]
+                result = job.step(step)
+                window.add(result, time.perf_counter() - t0)
+                row: dict[str, float] = {}
+                if step % cfg.log_every == 0 or step == total_steps:
+                    row.update(window.means())
+                    row.update({"train/lr": lrs[0] if lrs else 0.0,
+                                "time/elapsed_s": time.perf_counter() - t_start})
+                    window = Window()
+                if cfg.eval_every and step % cfg.eval_every == 0 and step != total_steps:
+                    row.update(job.evaluate())
+                if row:
+                    writer.write(step, row)
+                    last.update(row)
+                if step % cfg.log_every == 0 or step == total_steps:
+                    info = "  ".join(f"{label} {row[key]:.3f}"
+                                     for label, key in job.progress_keys if key in row)
+                    progress.update(task, info=info)
+                    if not interactive:
+                        print(f"[{job.name}] step {step}/{total_steps}  {info}", file=sys.stderr,
+                              flush=True)
+                progress.advance(task)
+                if cfg.save_every and step % cfg.save_every == 0 and step != total_steps:
+                    save_checkpoint(out / f"checkpoint-{step}", job, step, window)
+        final = job.evaluate()
+        if final:
+            writer.write(total_steps, final)
+            last.update(final)
+        ckpt.write_atomically(out / "final", job.save)
+    finally:
+        writer.close()
+        job.close()
+    if start:
+        print(json.dumps({"step": total_steps, **{f"start/{k[5:]}": v for k, v in start.items()
+                                                  if k.startswith("eval/")}, **final}),
+              flush=True)
+    return last

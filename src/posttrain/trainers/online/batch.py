@@ -1,0 +1,126 @@
+"""A step's samples in the token layout the update, old, reference and critic passes share.
+
+Every per-token tensor is ``(N, Lc)``, one column per generated token (masks, advantages,
+old and reference log-probs). With ``share_prompt`` each group's prompt runs once and its
+keys and values serve the group's completions (``posttrain.models.shared_prompt``); without,
+each sample is a full prompt + completion sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from posttrain import data as data_mod
+from posttrain.models import (
+    completion_hidden,
+    completion_logprobs,
+    packing_pays,
+    shared_prompt_hidden,
+    shared_prompt_logprobs,
+    value_head,
+)
+from posttrain.rollout import Rollout
+
+
+class TokenBatch:
+    """A step's samples in the completion layout (see the module docstring).
+
+    ``activations`` are the rollout's saved linear-layer outputs (shared-prompt layout only),
+    taken over from the rollout (which no longer holds them, so that they are freed as soon
+    as they are used up): while the policy is unchanged since sampling, its passes with
+    ``replay=True`` take them instead of recomputing (``posttrain.fast.replay``, which
+    refuses them once the policy has taken an optimiser step). The pass that precedes a
+    change of the policy releases them (``last_replay``).
+    """
+
+    def __init__(self, rollout: Rollout, pad_id: int, device, share_prompt: bool):
+        self.share = share_prompt
+        self.activations = rollout.activations if share_prompt else None
+        rollout.activations = None
+        self.completion_ids = rollout.completion_ids.to(device)
+        self.completion_mask = rollout.completion_mask.to(device)
+        if share_prompt:
+            groups, index = torch.unique(rollout.group_ids, return_inverse=True)
+            rows = torch.arange(len(index))
+            first = torch.full((len(groups),), len(index)).scatter_reduce(
+                0, index, rows, reduce="amin")  # first sample of each group
+            ids, mask = data_mod.pad_left([rollout.prompt_ids[i] for i in first.tolist()],
+                                          pad_id)
+            self.prompt_ids, self.prompt_mask = ids.to(device), mask.to(device)
+            self.prompt_index = index.to(device)
+            self.packed = None  # decided per model, once for the whole batch (_packed_for)
+        else:
+            completions = [r[m.bool()].tolist() for r, m in
+                           zip(rollout.completion_ids, rollout.completion_mask, strict=True)]
+            full = data_mod.pad_sequences(rollout.prompt_ids, completions, pad_id)
+            self.full = {k: v.to(device) for k, v in full.items()}
+            self.prompt_lengths = torch.tensor([len(p) for p in rollout.prompt_ids],
+                                               device=device)
+
+    def __len__(self) -> int:
+        return len(self.completion_ids)
+
+    def _packed_for(self, model) -> bool:
+        """One packing decision for the whole batch (see :func:`shared_prompt_logprobs`), so
+        the old, reference, critic and update passes all take the same path and the first
+        update's ratio is exactly 1 in any precision. A packed call replays nothing, so the
+        sampler's saved outputs are dropped then."""
+        if self.packed is None:
+            self.packed = packing_pays(model, self.prompt_mask, self.completion_mask,
+                                     self.prompt_index)
+            if self.packed:
+                self.activations = None
+        return self.packed
+
+    def _shared(self, model, rows: torch.Tensor) -> tuple[tuple, dict]:
+        """Arguments of :func:`shared_prompt_logprobs`/:func:`shared_prompt_hidden` for the
+        completions ``rows``: the prompts they use, renumbered, and the batch's packing."""
+        groups, index = torch.unique(self.prompt_index[rows], return_inverse=True)
+        args = (self.prompt_ids[groups], self.prompt_mask[groups], self.completion_ids[rows],
+                self.completion_mask[rows])
+        return args, {"prompt_index": index, "packed": self._packed_for(model)}
+
+    def logprobs(self, model, rows: torch.Tensor, with_entropy: bool = False,
+                 replay: bool = False, last_replay: bool = False):
+        """Log-probs (and entropy) of the completions of ``rows``, ``(len(rows), Lc)``.
+        ``replay``: ``model`` is the policy that sampled the rollout, unchanged since; its
+        saved linear-layer outputs are used if there are any. ``last_replay``: and this is
+        their last use, so they are released first (what the backward does not need of them
+        is freed layer by layer during the forward)."""
+        if self.share:
+            args, kw = self._shared(model, rows)
+            if replay and self.activations is not None:
+                saved = self.activations
+                if last_replay:
+                    self.activations = None
+                kw["replay"] = saved.rows(rows).replay(model, self.completion_ids.shape[1])
+                del saved
+            return shared_prompt_logprobs(model, *args, with_entropy=with_entropy, **kw)
+        out = completion_logprobs(model, self.full["input_ids"][rows],
+                                  self.full["attention_mask"][rows],
+                                  self.full["loss_mask"][rows], with_entropy=with_entropy)
+        outs = out if with_entropy else (out,)
+        # completion token j of a row sits at sequence position len(prompt) + j, so its
+        # log-prob is column len(prompt) + j - 1 of the (T - 1) layout
+        Lc = self.completion_ids.shape[1]
+        cols = self.prompt_lengths[rows][:, None] - 1 + torch.arange(Lc, device=rows.device)
+        mask = self.completion_mask[rows].bool()
+        cols = cols.clamp_max(outs[0].shape[1] - 1)
+        res = [torch.where(mask, x.gather(1, cols), 0.0) for x in outs]
+        return tuple(res) if with_entropy else res[0]
+
+    def values(self, critic, rows: torch.Tensor) -> torch.Tensor:
+        """The critic's ``V(x, y_<t)`` for each completion token of ``rows``,
+        ``(len(rows), Lc)``: its value head on the hidden state that precedes the token (the
+        state the policy acts in), 0 where the mask is 0."""
+        mask = self.completion_mask[rows]
+        if self.share:
+            args, kw = self._shared(critic, rows)
+            hidden = shared_prompt_hidden(critic, *args, **kw)
+        else:
+            hidden = completion_hidden(critic, self.full["input_ids"][rows],
+                                       self.full["attention_mask"][rows],
+                                       self.full["loss_mask"][rows])
+        v = value_head(critic)(hidden).squeeze(-1).float()  # (N,)
+        target = mask.bool()
+        return torch.zeros(target.shape, dtype=v.dtype, device=v.device).masked_scatter(target, v)

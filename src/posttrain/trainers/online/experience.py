@@ -1,0 +1,138 @@
+"""Experience: sample a step's groups through the rollout engine, score them with the reward
+terms, refill with dynamic sampling (DAPO) and shape the scores the advantages see.
+
+Dynamic sampling drops groups whose rewards are all equal and samples more prompts, up to
+``dynamic_sampling_rounds`` rounds; DAPO's overlong shaping is added to the reward when the
+algorithm asks. Shaping is the missing-EOS penalty, then running normalisation, then
+clipping.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from posttrain.builtin import task as builtin_task
+from posttrain.core import RunningMoments, groups_with_signal, overlong_penalty
+from posttrain.core.algorithms import Algorithm
+from posttrain.rewards import score as score_rewards
+from posttrain.rollout import Rollout, RolloutEngine, SamplingParams, concat, select
+
+
+@dataclass
+class Experience:
+    """One step's scored samples, ready for updates."""
+
+    rollout: Rollout
+    scores: torch.Tensor  # (N,) total reward used for advantages
+    terms: dict[str, torch.Tensor]  # per reward term (N,)
+    valid: torch.Tensor  # (N,) False for samples skipped on a reward error
+    correct: torch.Tensor  # (N,) bool: task accuracy (see ExperienceMaker.correct)
+    rounds: int
+    dropped_groups: int
+    generate_s: float = 0.0
+    """Seconds spent sampling (every round)."""
+    reward_s: float = 0.0
+    """Seconds spent scoring (every round)."""
+
+
+class ExperienceMaker:
+    """Draws prompts in a seeded order, samples and scores them; owns the data order and the
+    running score moments (both resumable)."""
+
+    def __init__(self, cfg, algo: Algorithm, engine: RolloutEngine, tokenizer, rewards,
+                 train_rows: list[dict], generator: torch.Generator):
+        self.cfg, self.algo, self.engine, self.tok = cfg, algo, engine, tokenizer
+        self.rewards, self.train_rows, self.gen = rewards, train_rows, generator
+        stop = tuple(s for s in (cfg.stop or "").split(",") if s)
+        self.params = SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k,
+                                     cfg.max_new_tokens, stop)
+        self.score_moments = RunningMoments()
+        self.order: list[int] = []
+        self.capture = False
+        """Whether the next rollouts keep their projections' outputs for replay."""
+
+    def next_rows(self, n: int) -> list[dict]:
+        out = []
+        while len(out) < n:
+            if not self.order:
+                self.order = torch.randperm(len(self.train_rows), generator=self.gen).tolist()
+            out.append(self.train_rows[self.order.pop()])
+        return out
+
+    def score(self, rows: list[dict], rollout: Rollout):
+        G = self.cfg.group_size
+        rep = [r for r in rows for _ in range(G)]
+        columns = {k: [r.get(k) for r in rep] for k in rows[0] if k not in ("prompt", "_row")}
+        prompts = [r["prompt"] for r in rep]
+        total, terms, valid = score_rewards(self.rewards, prompts, rollout.texts, columns,
+                                    self.cfg.on_reward_error)
+        correct = self.correct(prompts, rollout.texts, columns, terms)
+        if self.algo.overlong_shaping:
+            shaping = overlong_penalty(rollout.lengths, self.cfg.max_new_tokens,
+                                       min(self.cfg.overlong_cache, self.cfg.max_new_tokens))
+            terms["overlong"] = shaping
+            total = total + shaping
+        return total, terms, valid, correct
+
+    def correct(self, prompts, completions, columns, terms) -> torch.Tensor:
+        """Task accuracy per sample: on the built-in task its exact-answer check (whatever
+        the training reward, e.g. a reward model); otherwise the first reward term ≥ 1."""
+        if self.cfg.data is None:
+            return torch.tensor(builtin_task.reward(prompts, completions, **columns)) >= 1
+        return next(iter(terms.values())).nan_to_num() >= 1
+
+    def collect(self) -> Experience:
+        """Sample and score a step's groups (refilling with dynamic sampling)."""
+        cfg, want = self.cfg, self.cfg.prompts_per_step
+        parts, kept, dropped, rounds = [], 0, 0, 0
+        t_gen = t_reward = 0.0
+        while kept < want and rounds < (cfg.dynamic_sampling_rounds
+                                         if self.algo.dynamic_sampling else 1):
+            rounds += 1
+            rows = self.next_rows(want)
+            t0 = time.perf_counter()
+            rollout = self.engine.generate([r["prompt"] for r in rows], cfg.group_size,
+                                           self.params, self.gen, capture=self.capture)
+            t1 = time.perf_counter()
+            total, terms, valid, correct = self.score(rows, rollout)
+            t_gen, t_reward = t_gen + t1 - t0, t_reward + time.perf_counter() - t1
+            if self.algo.dynamic_sampling:
+                signal = groups_with_signal(total, rollout.group_ids)
+                groups = rollout.group_ids[signal].unique()[: want - kept]
+                keep = torch.isin(rollout.group_ids, groups).nonzero().squeeze(-1)
+                dropped += len(rows) - int(signal.view(-1, cfg.group_size).any(-1).sum())
+                rollout = select(rollout, keep)
+                total, valid, correct = total[keep], valid[keep], correct[keep]
+                terms = {k: v[keep] for k, v in terms.items()}
+                kept += len(groups)
+            else:
+                kept += len(rows)
+            parts.append((rollout, total, terms, valid, correct))
+        if kept == 0:
+            raise RuntimeError(
+                f"dynamic sampling found no group with different rewards in {rounds} rounds of "
+                f"{want} prompts: every group was all right or all wrong, so the data is too "
+                "easy or too hard for this policy (or the reward is constant)")
+        rollout = concat([p[0] for p in parts], self.tok.pad_token_id)
+        return Experience(rollout, torch.cat([p[1] for p in parts]),
+                          {k: torch.cat([p[2][k] for p in parts]) for k in parts[0][2]},
+                          torch.cat([p[3] for p in parts]), torch.cat([p[4] for p in parts]),
+                          rounds, dropped, t_gen, t_reward)
+
+    def shape_scores(self, scores: torch.Tensor, ro: Rollout, valid: torch.Tensor
+                      ) -> torch.Tensor:
+        """The score the advantages see: minus the missing-EOS penalty, normalised by the
+        running moments, clipped."""
+        cfg = self.cfg
+        scores = scores.float()
+        if cfg.missing_eos_penalty:
+            scores = scores - cfg.missing_eos_penalty * ro.truncated.float()
+        if cfg.reward_normalize:
+            self.score_moments.update(scores[valid])
+            scores = self.score_moments.normalize(scores)
+        if cfg.reward_clip:
+            scores = scores.clamp(-cfg.reward_clip, cfg.reward_clip)
+        return scores

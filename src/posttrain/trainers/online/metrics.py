@@ -1,0 +1,60 @@
+"""The metrics of one RL step, from what the step computed (no model calls here)."""
+
+from __future__ import annotations
+
+from posttrain.core import (
+    explained_variance,
+    groups_with_signal,
+    kl_penalty,
+    masked_mean,
+    masked_sum,
+)
+
+
+def step_metrics(cfg, algo, exp, tokens, scores, mask, valid, old, ref, old_values, returns,
+                 live, sums: dict[str, float], n_steps: int, n_critic_steps: int,
+                 lr: float, times: dict[str, float]) -> tuple[dict[str, float], float | None]:
+    """The step's record and, when the reward carries a KL penalty, the mean per-sequence KL
+    (what the adaptive controller tracks)."""
+    ro = exp.rollout
+    G = cfg.group_size
+    raw = exp.scores[exp.valid] if exp.valid.any() else exp.scores
+    n_updates = max(n_steps, n_critic_steps, 1)
+    record = {f"train/{k}": v / n_updates for k, v in sums.items()}
+    record.update({
+        "reward/mean": float(raw.mean()),
+        "reward/std": float(raw.std()) if len(raw) > 1 else 0.0,
+        **{f"reward/{k}": float(v.nan_to_num().mean()) for k, v in exp.terms.items()},
+        "reward/task_accuracy": float(exp.correct[exp.valid].float().mean())
+        if exp.valid.any() else 0.0,
+        "reward/skipped": int((~exp.valid).sum()),
+        "completion/length_mean": float(ro.lengths.float().mean()),
+        "completion/length_max": int(ro.lengths.max()),
+        "completion/truncated_frac": float(ro.truncated.float().mean()),
+        "groups/zero_signal_frac": float((~groups_with_signal(exp.scores, ro.group_ids))
+                                         .view(-1, G).all(-1).float().mean()),
+        "groups/dropped": exp.dropped_groups, "sampling/rounds": exp.rounds,
+        "samples/backward_frac": float(live.float().mean()),
+        "optim/steps": n_steps, "optim/lr": lr,
+        **{f"time/{k}_s": v for k, v in times.items()},
+        "time/tokens_per_s": float(ro.lengths.sum()) / max(times["generate"], 1e-9),
+    })
+    if cfg.missing_eos_penalty or cfg.reward_normalize or cfg.reward_clip:
+        record["reward/shaped_mean"] = float(scores[valid].mean())
+    kl = None
+    if algo.reward_kl_coef != 0:
+        kl_tok = kl_penalty(old, ref, algo.reward_kl_estimator)
+        kl = float(masked_sum(kl_tok, mask, dim=-1)[valid].mean())
+        record.update({"kl/seq_mean": kl, "kl/coef": algo.reward_kl_coef,
+                       "kl/token_mean": float(masked_mean(kl_tok, mask))})
+    if old_values is not None:
+        record.update({
+            "critic/return_mean": float(masked_mean(returns, mask)),
+            "critic/value_mean": float(masked_mean(old_values, mask)),
+            "critic/explained_variance": float(explained_variance(old_values, returns, mask)),
+            "critic/optim_steps": n_critic_steps,
+        })
+        for k in ("value_loss", "value_clip_frac", "critic_grad_norm"):
+            if f"train/{k}" in record:
+                record[f"critic/{k}"] = record.pop(f"train/{k}")
+    return record, kl

@@ -1,0 +1,260 @@
+"""The on-policy trainer: one loop for every RL algorithm of the table — the critic-free ones
+(``posttrain grpo``) and RLHF-PPO with its four models (actor, critic, frozen reference,
+reward model or function; ``posttrain ppo``). It reads the algorithm's record and never
+branches on its name.
+
+Each step (:meth:`RLTrainer.step`):
+
+1. **experience** — sample G completions for each of ``prompts_per_step`` prompts through the
+   rollout engine and score them (:mod:`.experience`: dynamic sampling, overlong shaping,
+   missing-EOS penalty, running normalisation, clipping);
+2. **passes** — the old log-probs (when a step takes more than one optimiser step, or the
+   reward carries a KL penalty), the frozen reference's, the critic's values (:mod:`.batch`);
+3. **advantages** with the algorithm's estimator: group statistics, or per-token rewards with
+   a KL penalty (fixed or adaptive coefficient) followed by GAE over the critic's values
+   (PPO) or discounted returns (REINFORCE++);
+4. **update** — ``ppo_epochs`` passes of minibatch steps against the step's normaliser
+   (:mod:`.update`); samples whose advantage is zero where that means zero gradient skip
+   their forward and backward pass (the normaliser still counts them);
+5. the engine's ``update_weights``, and the step's **metrics** (:mod:`.metrics`).
+
+The run loop (:mod:`posttrain.trainers.loop`) schedules the learning rates, logs, evaluates
+and checkpoints; this job's state (sampling generator, data order, KL coefficient, score
+moments) resumes exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from posttrain import data as data_mod
+from posttrain import fast
+from posttrain.builtin import task as builtin_task
+from posttrain.config import PPOConfig, RLConfig
+from posttrain.core import AdaptiveKLController, FixedKLController
+from posttrain.core.algorithms import compute_advantages
+from posttrain.evaluate import greedy_completions
+from posttrain.fast.compile import compile_models
+from posttrain.fast.replay import can_replay, track_policy_version
+from posttrain.models import (
+    decide_share_prompt,
+    load_causal_lm,
+    load_reward_model,
+    load_tokenizer,
+    save_model,
+    value_head,
+)
+from posttrain.rewards import parse_rewards, score
+from posttrain.rollout import make_engine
+from posttrain.trainers import loop
+from posttrain.trainers.loop import Job, Optim, StepResult
+from posttrain.trainers.online.batch import TokenBatch
+from posttrain.trainers.online.experience import ExperienceMaker
+from posttrain.trainers.online.metrics import step_metrics
+from posttrain.trainers.online.update import UpdateInputs, run_updates
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PPOConfig", "RLConfig", "RLTrainer", "run_rl"]
+
+
+class RLTrainer(Job):
+    eval_at_start = True
+    progress_keys = (("reward", "reward/mean"), ("sample acc", "reward/task_accuracy"),
+                     ("kl", "kl/seq_mean"), ("s/step", "time/step_s"))
+
+    def __init__(self, cfg: RLConfig):
+        self.cfg = cfg
+        self.name = cfg.algo
+        self.algo = cfg.algorithm()
+        loop.start_run(cfg)
+        resume = loop.check_resumable(cfg.resume_from)
+        self.tok = load_tokenizer(cfg.model, cfg.trust_remote_code)
+        self.policy = self._causal_lm(str(resume or cfg.model))
+        self.device = next(self.policy.parameters()).device
+        self.share_prompt = decide_share_prompt(cfg.share_prompt, self.policy, cfg.group_size)
+        self.ref = None
+        if self.algo.needs_reference:
+            self.ref = self._causal_lm(cfg.model).eval().requires_grad_(False)
+        if cfg.data is None:
+            self.train_rows = builtin_task.rl_rows(cfg.builtin_train_size, "train", cfg.seed)
+            self.eval_rows = builtin_task.rl_rows(cfg.builtin_eval_size, "eval", cfg.seed)
+        else:
+            self.train_rows = data_mod.load(cfg.data, "rl")[1]
+            self.eval_rows = data_mod.load(cfg.eval_data, "rl")[1] if cfg.eval_data else []
+        self.rewards = parse_rewards(cfg.reward or "builtin", cfg.reward_weights, cfg.device)
+        self.critic = None
+        if self.algo.critic:
+            loop.seed_everything(cfg.seed)  # a fresh value head is drawn from the global RNG
+            source = str(resume / "critic") if resume else self._critic_source()
+            self.critic = fast.prepare_model(load_reward_model(
+                source, self.tok, cfg.dtype, cfg.device, cfg.trust_remote_code), cfg.fast)
+            value_head(self.critic)  # fail now, not after the first rollout
+            log.info("critic from %s", source)
+        self.kl_ctl = (AdaptiveKLController(self.algo.reward_kl_coef, cfg.kl_target,
+                                            cfg.kl_horizon) if cfg.kl_target > 0
+                       else FixedKLController(self.algo.reward_kl_coef))
+        self.gen = torch.Generator().manual_seed(cfg.seed)
+        self.engine = make_engine(cfg.rollout_backend, self.policy, self.tok, cfg.fast)
+        self.experience = ExperienceMaker(cfg, self.algo, self.engine, self.tok, self.rewards,
+                                          self.train_rows, self.gen)
+        self.compiled = compile_models(cfg, [self.policy, self.ref, self.critic], self.device)
+        self.optimizers = [Optim("policy", self.policy, cfg.lr, cfg.weight_decay,
+                                 cfg.max_grad_norm)]
+        track_policy_version(self.policy, self.optimizers[0].opt)
+        if self.critic is not None:
+            self.optimizers.append(Optim("critic", self.critic, cfg.critic_lr,
+                                         cfg.weight_decay, cfg.max_grad_norm))
+        self.step_num = 0
+        # replay of the sampler's projections: the shared-prompt two-call layout, an engine
+        # that captures, a policy it can replay, no compile
+        self.reuse_rollout_forward = (cfg.fast and cfg.reuse_rollout_forward
+                                      and self.share_prompt and self.engine.can_capture
+                                      and not self.compiled and can_replay(self.policy))
+        self.experience.capture = self.reuse_rollout_forward
+        self.packed = False
+        """Whether the last batch's shared-prompt passes were packed into one call."""
+
+    def _causal_lm(self, name: str):
+        cfg = self.cfg
+        return fast.prepare_model(load_causal_lm(name, cfg.dtype, cfg.device,
+                                                 cfg.trust_remote_code), cfg.fast)
+
+    def _critic_source(self) -> str:
+        """Where the critic starts: ``critic_model``; else the reward model when the reward is
+        one ``rm:DIR`` term that reads the policy's tokens; else the policy's weights."""
+        cfg = self.cfg
+        if getattr(cfg, "critic_model", None):
+            return cfg.critic_model
+        models = [t.name[3:] for t in self.rewards if t.name.startswith("rm:")]
+        if len(self.rewards) == 1 and models:
+            rm_tok = getattr(self.rewards[0].fn, "tokenizer", None)
+            if rm_tok is not None and rm_tok.get_vocab() != self.tok.get_vocab():
+                log.warning("the reward model %s has another vocabulary than the policy, so it "
+                            "cannot read the policy's tokens as a critic; the critic starts "
+                            "from the policy (set critic_model to choose)", models[0])
+                return cfg.model
+            return models[0]
+        return cfg.model
+
+    # --- one step ----------------------------------------------------------------------------
+    def step(self, step: int) -> StepResult:
+        cfg = self.cfg
+        self.step_num = step
+        algo = (self.algo.replace(reward_kl_coef=self.kl_ctl.value)
+                if self.algo.reward_kl_coef else self.algo)
+        # 1. experience
+        exp = self.experience.collect()
+        t0 = time.perf_counter()
+        tokens = TokenBatch(exp.rollout, self.tok.pad_token_id, self.device, self.share_prompt)
+        valid = exp.valid.to(self.device)
+        mask = tokens.completion_mask.float() * valid[:, None]
+        # 2. passes: old log-probs, reference log-probs, old values
+        old, ref, old_values = self._passes(algo, tokens)
+        t_passes = time.perf_counter()
+        # 3. advantages
+        scores = self.experience.shape_scores(exp.scores, exp.rollout, exp.valid).to(self.device)
+        adv, returns = compute_advantages(algo, scores, self._group_ids(exp).to(self.device),
+                                          mask, old, ref, old_values)
+        skip = (algo.zero_advantage_zero_gradient and cfg.skip_zero_advantage
+                and self.critic is None)
+        live = ((adv != 0).any(-1) if skip else mask.any(-1)) & valid
+        # 4. update (the policy waits while the critic warms up)
+        train_policy = step > getattr(cfg, "critic_warmup_steps", 0)
+        x = UpdateInputs(mask, adv, old, ref, old_values, returns, live, live)
+        critic_opt = self.optimizers[1] if self.critic is not None else None
+        sums, n_steps, n_critic = run_updates(
+            self.policy, self.critic, algo, tokens, x,
+            self.optimizers[0] if train_policy else None, critic_opt, cfg, self.gen)
+        t_update = time.perf_counter()
+        # 5. the sampler follows the policy; metrics
+        self.engine.update_weights(self.policy)
+        # a batch packed into one call replays nothing, so the next rollouts need not
+        # capture (batches of a run are alike)
+        self.packed = bool(self.share_prompt and tokens.packed)
+        self.experience.capture = self.reuse_rollout_forward and not self.packed
+        times = {"generate": exp.generate_s, "reward": exp.reward_s,
+                 "passes": t_passes - t0, "update": t_update - t_passes}
+        record, kl = step_metrics(cfg, algo, exp, tokens, scores, mask, valid, old, ref,
+                                  old_values, returns, live, sums, n_steps, n_critic,
+                                  self.optimizers[0].opt.param_groups[0]["lr"], times)
+        if kl is not None and train_policy:  # while the critic warms up the policy is the ref
+            self.kl_ctl.update(kl, int(valid.sum()))
+        return StepResult(values=record)
+
+    def _passes(self, algo, tokens: TokenBatch):
+        """Old log-probs (None when the first update's ratio is exactly 1 and no reward KL
+        needs them), reference log-probs (None without a reference), old values (None
+        without a critic)."""
+        cfg = self.cfg
+        everyone = torch.arange(len(tokens), device=self.device)
+        several_updates = cfg.ppo_epochs > 1 or cfg.minibatch_size < len(tokens)
+        with torch.no_grad():
+            old = (tokens.logprobs(self.policy, everyone, replay=True)
+                   if several_updates or algo.reward_kl_coef != 0 else None)
+            old_values = (tokens.values(self.critic, everyone) if self.critic is not None
+                          else None)
+        ref = None
+        if self.ref is not None:
+            with torch.inference_mode():
+                ref = tokens.logprobs(self.ref, everyone)
+            ref = ref.clone()  # a normal tensor, usable next to autograd tensors
+        return old, ref, old_values
+
+    @staticmethod
+    def _group_ids(exp) -> torch.Tensor:
+        """Group ids for the advantages: a sample skipped on a reward error becomes a group
+        of its own, so its placeholder score moves neither the baseline nor the std of the
+        samples it was drawn with."""
+        group_ids = exp.rollout.group_ids.clone()
+        skipped = ~exp.valid
+        group_ids[skipped] = int(group_ids.max()) + 1 + torch.arange(int(skipped.sum()))
+        return group_ids
+
+    # --- the loop's other questions ----------------------------------------------------------
+    def evaluate(self) -> dict[str, float]:
+        """Greedy decoding through the run's engine on the held-out rows: task accuracy (as in
+        :meth:`ExperienceMaker.correct`) and the mean of the training reward."""
+        if not self.eval_rows:
+            return {}
+        rows = self.eval_rows
+        prompts = [r["prompt"] for r in rows]
+        completions = greedy_completions(self.engine, prompts, self.cfg.max_new_tokens,
+                                         self.cfg.eval_batch_size)
+        columns = {k: [r.get(k) for r in rows] for k in rows[0] if k not in ("prompt", "_row")}
+        total, terms, valid = score(self.rewards, prompts, completions, columns, "skip")
+        correct = self.experience.correct(prompts, completions, columns, terms)
+        return {"eval/accuracy": float(correct.float().mean()),
+                "eval/mean_reward": float(total[valid].mean()) if valid.any() else float("nan")}
+
+    def save(self, path: Path) -> None:
+        """The actor as a Hugging Face directory at ``path``, the critic in ``path/critic``."""
+        save_model(self.policy, self.tok, path)
+        if self.critic is not None:
+            save_model(self.critic, self.tok, path / "critic")
+
+    def state(self):
+        meta = {"kl_coef": self.kl_ctl.value,
+                "score_moments": self.experience.score_moments.state_dict(),
+                "order": self.experience.order}
+        return meta, {"generator": self.gen.get_state()}
+
+    def load_state(self, meta, tensors) -> None:
+        self.gen.set_state(tensors["generator"])
+        self.kl_ctl.value = float(meta["kl_coef"])
+        self.experience.score_moments.load_state_dict(meta["score_moments"])
+        self.experience.order = [int(i) for i in meta["order"]]
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def train(self) -> dict[str, float]:
+        return loop.run(self.cfg, self, self.cfg.max_steps)
+
+
+def run_rl(cfg: RLConfig) -> dict[str, float]:
+    return RLTrainer(cfg).train()

@@ -1,0 +1,120 @@
+"""The update of one RL step: ``ppo_epochs`` passes of minibatch optimiser steps over the
+step's samples (the experience buffer), each accumulated over micro-batches against the
+normaliser of the whole minibatch, so the gradient does not depend on ``micro_batch_size``.
+The critic, when there is one, takes its clipped value-loss step on the same minibatch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from posttrain.core import aggregate_loss, masked_mean, step_normalizer, value_loss
+from posttrain.core.algorithms import Algorithm, policy_objective
+from posttrain.trainers.loop import Optim
+from posttrain.trainers.online.batch import TokenBatch
+
+
+@dataclass
+class UpdateInputs:
+    """What the update reads, all ``(N, Lc)`` but ``policy_rows``/``critic_rows`` ``(N,)``:
+    the rows each model trains on (the policy skips rows whose advantage is zero where that
+    means zero gradient)."""
+
+    mask: torch.Tensor
+    advantages: torch.Tensor
+    old_logprobs: torch.Tensor | None
+    ref_logprobs: torch.Tensor | None
+    old_values: torch.Tensor | None
+    returns: torch.Tensor | None
+    policy_rows: torch.Tensor
+    critic_rows: torch.Tensor
+
+
+def accumulate_policy_gradient(policy, algo: Algorithm, tokens: TokenBatch, mask: torch.Tensor,
+                               idx: torch.Tensor, adv: torch.Tensor, old: torch.Tensor | None,
+                               ref: torch.Tensor | None, live: torch.Tensor,
+                               micro_batch_size: int, max_new_tokens: int) -> dict[str, float]:
+    """Backward the loss of the minibatch ``idx`` in micro-batches, each aggregated with the
+    normaliser of the whole minibatch (so the summed gradient does not depend on
+    ``micro_batch_size``). ``mask``, ``adv``, ``old``, ``ref`` are ``(N, Lc)``. Rows not
+    ``live`` are skipped. Returns the loss sum and metric means over micro-batches."""
+    norm = step_normalizer(mask[idx], algo.aggregation)
+    rows = idx[live[idx]]
+    sums: dict[str, float] = {"loss": 0.0}
+    n_micro = 0
+    for i in range(0, len(rows), micro_batch_size):
+        mb = rows[i:i + micro_batch_size]
+        # the last micro-batch is the sampler's outputs' last use: the optimizer step that
+        # follows changes the policy
+        lp, ent = tokens.logprobs(policy, mb, with_entropy=True, replay=True,
+                                  last_replay=i + micro_batch_size >= len(rows))
+        old_mb = lp.detach() if old is None else old[mb]
+        loss_tok, m = policy_objective(algo, lp, old_mb, adv[mb], mask[mb],
+                                       None if ref is None else ref[mb])
+        loss = aggregate_loss(loss_tok, mask[mb], algo.aggregation, norm,
+                              constant=algo.loss_constant(max_new_tokens))
+        loss.backward()
+        sums["loss"] += float(loss.detach())
+        m["entropy"] = masked_mean(ent, mask[mb])
+        for k, v in m.items():
+            sums[k] = sums.get(k, 0.0) + float(v)
+        n_micro += 1
+    return {k: (v if k == "loss" else v / max(n_micro, 1)) for k, v in sums.items()}
+
+def accumulate_value_gradient(critic, algo: Algorithm, tokens: TokenBatch, mask: torch.Tensor,
+                              idx: torch.Tensor, old_values: torch.Tensor,
+                              returns: torch.Tensor, live: torch.Tensor,
+                              micro_batch_size: int) -> dict[str, float]:
+    """Backward ``c_v ·`` the clipped value loss of the minibatch ``idx`` in micro-batches, a
+    token mean normalised over the whole minibatch (so the gradient does not depend on
+    ``micro_batch_size``). Returns the loss sum and metric means over micro-batches."""
+    norm = step_normalizer(mask[idx], "token_mean")
+    rows = idx[live[idx]]
+    sums: dict[str, float] = {"value_loss": 0.0, "value_clip_frac": 0.0}
+    for i in range(0, len(rows), micro_batch_size):
+        mb = rows[i:i + micro_batch_size]
+        v = tokens.values(critic, mb)
+        loss_tok, m = value_loss(v, old_values[mb], returns[mb], mask[mb], algo.value_clip)
+        loss = aggregate_loss(loss_tok, mask[mb], "token_mean", norm)
+        (algo.value_coef * loss).backward()
+        sums["value_loss"] += float(loss.detach())
+        # token-weighted, so the metric does not depend on the micro-batch split either
+        sums["value_clip_frac"] += float(m["value_clip_frac"] * mask[mb].sum() / norm)
+    return sums
+
+
+def run_updates(policy, critic, algo: Algorithm, tokens: TokenBatch, x: UpdateInputs,
+                policy_opt: Optim | None, critic_opt: Optim | None, cfg,
+                generator: torch.Generator) -> tuple[dict[str, float], int, int]:
+    """``cfg.ppo_epochs`` shuffled passes of minibatches; returns the metric sums over
+    optimiser steps and the counts of policy and critic steps. ``policy_opt`` None: the
+    policy does not train this step (the critic warms up)."""
+    sums: dict[str, float] = {}
+    n_steps = n_critic_steps = 0
+    N = len(x.advantages)
+    live = x.policy_rows | x.critic_rows if critic is not None else x.policy_rows
+    for _ in range(cfg.ppo_epochs):
+        perm = torch.randperm(N, generator=generator).to(x.mask.device)
+        for i in range(0, N, cfg.minibatch_size):
+            # in row order: a minibatch of the whole batch is then a view of the saved
+            # activations, not a copy
+            idx = perm[i:i + cfg.minibatch_size].sort().values
+            if not live[idx].any():
+                continue
+            m: dict[str, float] = {}
+            if policy_opt is not None and x.policy_rows[idx].any():
+                m.update(accumulate_policy_gradient(
+                    policy, algo, tokens, x.mask, idx, x.advantages, x.old_logprobs,
+                    x.ref_logprobs, x.policy_rows, cfg.micro_batch_size, cfg.max_new_tokens))
+                m["grad_norm"] = policy_opt.step()
+                n_steps += 1
+            if critic is not None:
+                m.update(accumulate_value_gradient(critic, algo, tokens, x.mask, idx,
+                                                   x.old_values, x.returns, x.critic_rows,
+                                                   cfg.micro_batch_size))
+                m["critic_grad_norm"] = critic_opt.step()
+                n_critic_steps += 1
+            for k, v in m.items():
+                sums[k] = sums.get(k, 0.0) + v
+    return sums, n_steps, n_critic_steps
