@@ -176,3 +176,45 @@ def test_dump_load_round_trip(tmp_path, cls):
     path = tmp_path / "c.yaml"
     config.dump(cfg, path)
     assert config.load(cls, str(path)) == cfg
+
+
+@pytest.mark.parametrize("command, args, match", [
+    ("grpo", ["--grad_accum", "7"], "unknown key 'grad_accum'"),
+    ("grpo", ["--batch_size", "4"], "unknown key 'batch_size'"),
+    ("grpo", ["--max_length", "64"], "unknown key 'max_length'"),
+    ("sft", ["--group_size", "4"], "unknown key 'group_size'"),
+    ("grpo", ["--critic_lr", "1e-4"], "unknown key 'critic_lr'"),
+    ("ppo", ["--algo", "reinforce_pp", "--critic_lr", "1e-4"], "critic_lr.*no critic"),
+    ("ppo", ["--algo", "reinforce_pp_baseline", "--value_clip", "0.1"], "value_clip.*no critic"),
+    ("grpo", ["--data", "x.jsonl"], "--data needs --reward"),
+    ("grpo", ["--rollout_backend", "vllm"], "rollout_backend"),
+    ("grpo", ["--log_every", "0"], "log_every"),
+])
+def test_a_key_a_command_does_not_read_is_refused(command, args, match):
+    """Each command accepts only the keys it reads: offline batching keys are not RL keys,
+    critic keys need an algorithm with a critic; derived requirements fail at validation."""
+    from posttrain.cli import _commands, _config_class
+
+    cls = _config_class(_commands()[command][1])
+    with pytest.raises(ConfigError, match=match):
+        config.load(cls, None, args)
+
+
+def test_critic_keys_accepted_where_there_is_a_critic_and_derived_values_decided_once():
+    from posttrain.config import PPOConfig, RLConfig
+
+    cfg = config.load(PPOConfig, None, ["--critic_lr", "3e-4", "--value_clip", "0"])
+    assert cfg.critic_lr == 3e-4 and cfg.output_dir == "runs/ppo"
+    assert config.load(RLConfig, None, ["--algo", "dapo"]).output_dir == "runs/dapo"
+    assert config.load(RLConfig, None, ["--output_dir", "x"]).output_dir == "x"
+
+
+def test_command_help_and_choices_read_the_algorithm_table():
+    from posttrain.cli import _commands
+    from posttrain.config import PPOConfig, RLConfig
+    from posttrain.core.algorithms import ALGORITHMS
+
+    assert set(RLConfig.ALGOS) == {n for n, a in ALGORITHMS.items() if not a.critic}
+    assert set(PPOConfig.ALGOS) == {n for n, a in ALGORITHMS.items() if a.token_rewards}
+    help_grpo = _commands()["grpo"][0]
+    assert all(name in help_grpo for name in RLConfig.ALGOS)

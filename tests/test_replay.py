@@ -262,3 +262,29 @@ def test_replay_refuses_a_mismatched_or_repeated_call():
         lin(torch.zeros(2, 4))
     assert "forward" not in vars(lin)  # the module is itself again
     assert lin(torch.zeros(5, 4)).shape == (5, 3)
+
+
+def test_replay_refuses_activations_once_the_policy_has_stepped(tiny_model_dir, tmp_path,
+                                                                 monkeypatch):
+    """The loop reordered: an optimiser step between sampling and the pass that would replay.
+    The saved activations carry the policy version they were captured at, and the pass
+    refuses them instead of computing a gradient for weights that no longer exist."""
+    from posttrain.fast.replay import StaleActivations, policy_version
+    from posttrain.trainers.online import batch
+
+    monkeypatch.setattr(batch, "packing_pays", lambda *a, **k: False)
+    reward, data = _task_files(tmp_path)
+    trainer = _rl_trainer(tiny_model_dir, tmp_path / "run", reward, data, True)
+    exp = trainer.experience.collect()
+    tokens = TokenBatch(exp.rollout, trainer.tok.pad_token_id, "cpu", share_prompt=True)
+    assert tokens.activations is not None
+    rows = torch.arange(len(tokens))
+    with torch.no_grad():  # the policy unchanged: replay is taken
+        tokens.logprobs(trainer.policy, rows, replay=True)
+    v0 = policy_version(trainer.policy)
+    lp = tokens.logprobs(trainer.policy, rows)  # recomputed: fine at any version
+    (-lp.sum()).backward()
+    trainer.optimizers[0].step()
+    assert policy_version(trainer.policy) == v0 + 1
+    with pytest.raises(StaleActivations, match="changed since sampling"):
+        tokens.logprobs(trainer.policy, rows, replay=True)

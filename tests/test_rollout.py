@@ -536,3 +536,35 @@ def test_wrapped_projections_keep_the_model_forward(tiny_model_dir):
     assert torch.equal(a.completion_ids, b.completion_ids)
     assert torch.equal(a.logprobs, b.logprobs)
     assert (a.logprobs[:, 0] - bare.logprobs[:, 0]).abs().max() > 1e-3
+
+
+def test_engines_are_chosen_by_backend_and_fast(tiny_model_dir):
+    """auto: lean for a plain Llama-family model with fast on, hf with fast off; lean asked
+    for a model it cannot run is a clear error; both engines live for a run
+    (update_weights, close) and sample the same greedy tokens."""
+    from posttrain.models import load_causal_lm, load_tokenizer
+    from posttrain.rollout import SamplingParams, make_engine
+    from posttrain.rollout.hf import HFEngine
+    from posttrain.rollout.lean import LeanEngine
+
+    model = load_causal_lm(tiny_model_dir, device="cpu")
+    tok = load_tokenizer(tiny_model_dir)
+    assert isinstance(make_engine("auto", model, tok), LeanEngine)
+    assert isinstance(make_engine("auto", model, tok, fast=False), HFEngine)
+    assert isinstance(make_engine("hf", model, tok), HFEngine)
+    with pytest.raises(ValueError, match="unknown rollout backend"):
+        make_engine("vllm", model, tok)
+    model.config.sliding_window = 4  # no longer a model the lean decoder runs
+    with pytest.raises(ValueError, match="rollout_backend=lean"):
+        make_engine("lean", model, tok)
+    model.config.sliding_window = None
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=5)
+    texts = []
+    for backend in ("lean", "hf"):
+        engine = make_engine(backend, model, tok)
+        engine.update_weights(model)
+        texts.append(engine.generate(["12+3=", "4+4="], 1, greedy).texts)
+        captured = engine.generate(["1+1="], 2, greedy, capture=True).activations
+        assert (captured is not None) is (backend == "lean") is engine.can_capture
+        engine.close()
+    assert texts[0] == texts[1]

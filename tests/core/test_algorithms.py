@@ -321,3 +321,18 @@ def test_reward_kl_without_reference_raises():
     with pytest.raises(ValueError, match="ref_logprobs"):
         compute_advantages(algo, torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), mask,
                            torch.zeros(2, 3), None)
+
+
+def test_record_says_what_the_loop_needs():
+    """Per-token rewards, whether zero advantage means zero gradient, Dr. GRPO's constant."""
+    from posttrain.core.algorithms import ALGORITHMS, algorithm_names
+
+    assert {n for n, a in ALGORITHMS.items() if a.token_rewards} == {
+        "ppo", "reinforce_pp", "reinforce_pp_baseline"}
+    assert not ALGORITHMS["grpo"].zero_advantage_zero_gradient  # β > 0: the KL term remains
+    assert ALGORITHMS["dapo"].zero_advantage_zero_gradient
+    assert ALGORITHMS["grpo"].replace(kl_coef=0.0).zero_advantage_zero_gradient
+    assert ALGORITHMS["dr_grpo"].loss_constant(32) == 32.0
+    assert ALGORITHMS["grpo"].loss_constant(32) == 1.0
+    assert algorithm_names(critic=True) == ["ppo"]
+    assert algorithm_names() == list(ALGORITHMS)

@@ -1,7 +1,7 @@
 """The pure algorithm layer: tensors and floats in, tensors out. Imports only ``torch``.
 
 Nothing here reads a config object, calls ``.item()`` or talks to ``torch.distributed``; the
-trainers do that. See ``ALGORITHMS.md`` for the objectives and ``posttrain.core.algorithms``
+trainers do that. See ``docs/algorithms.md`` for the objectives and ``posttrain.core.algorithms``
 for how each RL algorithm combines these pieces.
 """
 

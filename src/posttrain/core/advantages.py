@@ -1,5 +1,5 @@
 """Advantage estimators. Everything here runs without gradient: advantages and returns are
-constants of the policy update (ALGORITHMS.md, "Gradients flow only through ℓ").
+constants of the policy update (docs/algorithms.md, "Gradients flow only through ℓ").
 
 Group statistics are vectorised with ``index_add_`` over ``group_ids`` ``(N,)`` (integers in
 ``[0, n_groups)``), so groups may have unequal sizes (after filtering) and there is no Python
@@ -136,7 +136,7 @@ def token_level_rewards(
     response_mask: torch.Tensor,
     kl_coef: float,
 ) -> torch.Tensor:
-    """Per-token RLHF reward (ALGORITHMS.md §3), ``(B, T)``.
+    """Per-token RLHF reward (docs/algorithms.md §3), ``(B, T)``.
 
         R_t = -k · KL_t,   R_T = -k · KL_T + score     (T the last unmasked token)
 

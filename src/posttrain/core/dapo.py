@@ -7,7 +7,7 @@ import torch
 
 
 def overlong_penalty(lengths: torch.Tensor, max_length: int, cache_length: int) -> torch.Tensor:
-    """Soft overlong punishment ``R_len(|y|)`` (ALGORITHMS.md §5.4), float ``(N,)``.
+    """Soft overlong punishment ``R_len(|y|)`` (docs/algorithms.md §5.4), float ``(N,)``.
 
         0                               |y| ≤ L_max - L_cache
         ((L_max - L_cache) - |y|) / L_cache    L_max - L_cache < |y| ≤ L_max

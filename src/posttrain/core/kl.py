@@ -6,7 +6,7 @@ For a token sampled from the policy, with ``r = ℓ - ℓ_ref`` (log π/π_ref):
     k2 = r² / 2                  biased, low variance, non-negative
     k3 = exp(-r) - 1 + r         unbiased, non-negative (Schulman, "Approximating KL")
 
-k3 is the estimator GRPO adds to its loss (ALGORITHMS.md §4). Its ``exp(-r)`` overflows float32
+k3 is the estimator GRPO adds to its loss (docs/algorithms.md §4). Its ``exp(-r)`` overflows float32
 when ``r < -88``; we clamp ``r`` to ``[-clamp, clamp]`` inside the exponential and the linear
 term (default 20), which leaves every realistic value exact and keeps gradients finite.
 """

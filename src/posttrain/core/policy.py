@@ -166,7 +166,7 @@ def value_loss(
     response_mask: torch.Tensor,
     clip_range: float | None = 0.2,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped value loss (ALGORITHMS.md §3), per token ``(B, T)``.
+    """Clipped value loss (docs/algorithms.md §3), per token ``(B, T)``.
 
         V^clip = V^old + clip(V - V^old, -ε_v, ε_v)
         L_t    = ½ max((V_t - R_t)², (V^clip_t - R_t)²)

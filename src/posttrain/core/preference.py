@@ -20,7 +20,7 @@ def bradley_terry_loss(
     margin: torch.Tensor | float | None = None,
     center_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Bradley–Terry loss (ALGORITHMS.md §1), per pair ``(B,)``.
+    """Bradley–Terry loss (docs/algorithms.md §1), per pair ``(B,)``.
 
         loss = -log σ(r_c - r_r - margin) + c · (r_c + r_r)²
 
@@ -54,7 +54,7 @@ def dpo_loss(
     chosen_lengths: torch.Tensor | None = None,
     rejected_lengths: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """DPO and its close variants (ALGORITHMS.md §2), per pair ``(B,)``.
+    """DPO and its close variants (docs/algorithms.md §2), per pair ``(B,)``.
 
     Inputs are sequence log-likelihoods ``log π(y|x) = Σ_t m_t ℓ_t``, shape ``(B,)``. With
     ``Δ(y) = log π_θ(y|x) - log π_ref(y|x)`` and ``z = β (Δ(y_w) - Δ(y_l))``:

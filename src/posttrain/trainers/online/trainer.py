@@ -240,7 +240,7 @@ class RLTrainer(Job):
     def state(self):
         meta = {"kl_coef": self.kl_ctl.value,
                 "score_moments": self.experience.score_moments.state_dict(),
-                "order": self.experience.order}
+                "order": self.experience.order, "packed": self.packed}
         return meta, {"generator": self.gen.get_state()}
 
     def load_state(self, meta, tensors) -> None:
@@ -248,6 +248,10 @@ class RLTrainer(Job):
         self.kl_ctl.value = float(meta["kl_coef"])
         self.experience.score_moments.load_state_dict(meta["score_moments"])
         self.experience.order = [int(i) for i in meta["order"]]
+        # whether the next rollouts capture follows the last batch's layout, as it would
+        # have in the run that was not interrupted
+        self.packed = bool(meta["packed"])
+        self.experience.capture = self.reuse_rollout_forward and not self.packed
 
     def close(self) -> None:
         self.engine.close()

@@ -1,0 +1,135 @@
+"""The one run loop: every trainer killed with SIGKILL after a checkpoint and resumed ends with
+the weights and metrics of a run that was never interrupted; the cadences mean the same for
+every trainer; a checkpoint directory is never half-written."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from posttrain.trainers import checkpoint as ckpt
+
+# the same tiny-run settings for a subprocess and an in-process run of each command
+RUNS = {
+    "sft": ["--batch_size", "4", "--grad_accum", "2", "--builtin_train_size", "64"],
+    "rm": ["--batch_size", "4", "--builtin_train_size", "64"],
+    "dpo": ["--batch_size", "4", "--builtin_train_size", "64", "--precompute_ref", "false"],
+    "grpo": ["--prompts_per_step", "2", "--group_size", "4", "--max_new_tokens", "4",
+             "--builtin_train_size", "32", "--algo", "dapo"],
+    "ppo": ["--prompts_per_step", "2", "--group_size", "2", "--max_new_tokens", "4",
+            "--builtin_train_size", "32", "--ppo_epochs", "2", "--minibatch_size", "2"],
+}
+STEPS, SAVE = 12, 3
+CONSTANT = ("--lr_schedule", "constant", "--warmup_ratio", "0")
+
+
+def _args(command: str, model: str, out: Path, *extra: str) -> list[str]:
+    if command == "grpo":  # DAPO's dynamic sampling needs groups that are not all wrong
+        model = "builtin"
+    return [command, "--model", model, "--output_dir", str(out), "--max_steps", str(STEPS),
+            "--save_every", str(SAVE), "--log_every", "2", "--eval_every", "4",
+            "--builtin_eval_size", "4", "--device", "cpu", "--tensorboard", "false",
+            "--warmup_ratio", "0.1", "--lr_schedule", "cosine", "--seed", "3",
+            *RUNS[command], *extra]
+
+
+def _cli(args: list[str]) -> int:
+    from posttrain.cli import main
+
+    return main(args)
+
+
+def _rows(out: Path) -> list[dict]:
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    out = load_file(str(path / "model.safetensors"))
+    if (path / "critic").exists():
+        out.update({f"critic.{k}": v for k, v in
+                    load_file(str(path / "critic" / "model.safetensors")).items()})
+    return out
+
+
+@pytest.mark.parametrize("command", sorted(RUNS))
+def test_sigkill_after_a_checkpoint_then_resume_is_bit_identical(command, tiny_model_dir,
+                                                                 tmp_path):
+    """A run killed (SIGKILL, no chance to clean up) once checkpoint-3 exists, resumed from
+    that checkpoint into the same directory, ends on the same weights and the same metrics
+    rows (times aside) as one uninterrupted run. The killed run is given far more steps, so
+    the kill lands mid-run; with a constant schedule and no warm-up nothing it computes
+    depends on max_steps."""
+    whole = tmp_path / "whole"
+    assert _cli(_args(command, tiny_model_dir, whole, *CONSTANT)) == 0
+    killed = tmp_path / "killed"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "posttrain",
+                             *_args(command, tiny_model_dir, killed, *CONSTANT,
+                                    "--max_steps", "100000")],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = killed / f"checkpoint-{SAVE}"
+    deadline = time.monotonic() + 120
+    while not first.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL  # killed mid-run, not finished
+    assert first.exists()
+    # the killed run went on past the checkpoint; its later checkpoints and rows are dropped
+    # by using the first checkpoint
+    assert _cli(_args(command, tiny_model_dir, killed, *CONSTANT,
+                      "--resume_from", str(first))) == 0
+    a, b = _weights(whole / "final"), _weights(killed / "final")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert _rows(killed) == _rows(whole)
+
+
+def test_cadences_mean_the_same_for_offline_and_rl(tiny_model_dir, tmp_path):
+    """log_every: a row every N steps (and the last); eval_every: evaluation rows at its
+    multiples; the final evaluation at the last step; the same for SFT and GRPO."""
+    for command in ("sft", "grpo"):
+        out = tmp_path / command
+        assert _cli(_args(command, tiny_model_dir, out, "--save_every", "0")) == 0
+        rows = _rows(out)
+        train = [r["step"] for r in rows if "train/lr" in r]
+        evals = [r["step"] for r in rows if "eval/accuracy" in r or "eval/loss" in r]
+        assert train == [2, 4, 6, 8, 10, 12], command
+        assert [s for s in evals if s != 0] == [4, 8, 12], command
+
+
+def test_truncate_metrics_keeps_rows_up_to_the_step_and_drops_a_torn_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"step": 4, "tr')
+    assert ckpt.truncate_metrics(path, 2) == 2
+    assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
+    path.write_text('{"step": 1}\n{"step": 2, "x"')
+    assert ckpt.truncate_metrics(path, 5) == 1
+
+
+def test_checkpoints_are_written_atomically(tmp_path):
+    """A write that fails leaves no directory under the final name (only the temporary one,
+    replaced by the next attempt), and a finished write replaces an older directory."""
+    target = tmp_path / "checkpoint-3"
+
+    def broken(tmp: Path) -> None:
+        (tmp / "model.safetensors").write_text("half")
+        raise RuntimeError("killed")
+
+    with pytest.raises(RuntimeError):
+        ckpt.write_atomically(target, broken)
+    assert not target.exists()
+    ckpt.write_atomically(target, lambda tmp: (tmp / "a").write_text("1"))
+    ckpt.write_atomically(target, lambda tmp: (tmp / "b").write_text("2"))
+    assert sorted(p.name for p in target.iterdir()) == ["b"]
+    assert not target.with_name("checkpoint-3.tmp").exists()
