@@ -1,6 +1,7 @@
 """Measure the offline targets on the built-in model and task:
 
-Settings: configs/builtin/rm.yaml and configs/builtin/dpo.yaml (run from the repository root).
+Settings: the commands' defaults, with no config file (what `posttrain rm` and `posttrain dpo`
+run with no arguments).
 
 - reward model: held-out pairwise accuracy (target ≥ 0.90);
 - DPO: held-out implicit-reward accuracy (target ≥ 0.90) and the greedy task accuracy of
@@ -41,7 +42,7 @@ def main() -> int:
     result = {}
 
     t0 = time.perf_counter()
-    rm = config.load(RMConfig, "configs/builtin/rm.yaml",
+    rm = config.load(RMConfig, None,
                      [f"--output_dir={args.out}/rm", f"--max_steps={args.rm_steps}"])
     m = run_rm(rm)
     result["rm"] = {"eval_accuracy": m["eval/accuracy"], "eval_margin": m["eval/margin"],
@@ -49,7 +50,7 @@ def main() -> int:
 
     before = greedy_accuracy("builtin", args.n_eval)
     t0 = time.perf_counter()
-    dpo = config.load(DPOConfig, "configs/builtin/dpo.yaml",
+    dpo = config.load(DPOConfig, None,
                       [f"--output_dir={args.out}/dpo", f"--max_steps={args.dpo_steps}"])
     m = run_dpo(dpo)
     seconds = time.perf_counter() - t0

@@ -50,7 +50,8 @@ def main() -> int:
     t0 = time.perf_counter()
     run_rl(config.load(PPOConfig, "configs/builtin/ppo.yaml",
                        [f"--model={out}/sft/final", f"--reward=rm:{out}/rm/final",
-                        f"--output_dir={out}/ppo", seed, "--tensorboard=false"]))
+                        f"--output_dir={out}/ppo", seed, "--tensorboard=false",
+                        "--log_every=1"]))
     times["ppo"] = time.perf_counter() - t0
 
     rows = [json.loads(x) for x in (out / "ppo" / "metrics.jsonl").read_text().splitlines()]

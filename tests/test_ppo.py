@@ -359,19 +359,19 @@ def test_critic_starts_from_reward_model_critic_model_or_policy(tiny_model_dir, 
     assert not torch.equal(rm["score.weight"], other["score.weight"])
 
     from_rm = RLTrainer(_cfg(tiny_model_dir, tmp_path / "a", reward=f"rm:{rm_dir}"))
-    assert from_rm._critic_source() == str(rm_dir)
+    assert from_rm.critic_source() == str(rm_dir)
     for k, v in from_rm.critic.state_dict().items():
         assert torch.equal(v, rm[k]), k
 
     explicit = RLTrainer(_cfg(tiny_model_dir, tmp_path / "b", reward=f"rm:{rm_dir}",
                               critic_model=str(other_dir)))
-    assert explicit._critic_source() == str(other_dir)
+    assert explicit.critic_source() == str(other_dir)
     for k, v in explicit.critic.state_dict().items():
         assert torch.equal(v, other[k]), k
 
     for reward in ("builtin", f"rm:{rm_dir},builtin"):  # not a single rm: term
         fresh = RLTrainer(_cfg(tiny_model_dir, tmp_path / "c", reward=reward))
-        assert fresh._critic_source() == tiny_model_dir
+        assert fresh.critic_source() == tiny_model_dir
         actor = fresh.policy.state_dict()
         critic = fresh.critic.state_dict()
         backbone = [k for k in critic if k != "score.weight"]
@@ -499,5 +499,5 @@ def test_critic_not_from_a_reward_model_with_another_vocabulary(tiny_model_dir, 
     save_model(rm, tok, tmp_path / "rm")
     with caplog.at_level("WARNING"):
         trainer = RLTrainer(_cfg(tiny_model_dir, tmp_path / "run", reward=f"rm:{tmp_path}/rm"))
-    assert trainer._critic_source() == tiny_model_dir
+    assert trainer.critic_source() == tiny_model_dir
     assert "another vocabulary" in caplog.text

@@ -178,19 +178,28 @@ class DecodingEngine(RolloutEngine):
         model.train(was_training)
         activations = decoder.activations(steps, end.clamp_max(steps - 1))
 
-        tokens, logps = tokens[:, :steps].cpu(), logps[:, :steps].cpu()
+        return self._finish(prompt_ids, n, tokens[:, :steps], logps[:, :steps], done, end,
+                            params.stop, activations)
+
+    def _finish(self, prompt_ids: list[list[int]], n: int, tokens: torch.Tensor,
+                logps: torch.Tensor, done: torch.Tensor, end: torch.Tensor,
+                stop: tuple[str, ...], activations) -> Rollout:
+        """The :class:`Rollout` of the sampled ``tokens`` / ``logps`` ``(N, steps)``: a row's
+        completion runs up to and including the token that finished it (its first eos or the
+        one completing a stop string), else to the end; it is pad from there on."""
+        pad_id, steps = self.tokenizer.pad_token_id, tokens.shape[1]
+        tokens, logps = tokens.cpu(), logps.cpu()
         done, end = done.cpu(), end.cpu().clamp_max(steps - 1)
-        # a row's completion runs up to and including the token that finished it (its first eos
-        # or the one completing a stop string), else to the end; it is pad from there on
         cols = torch.arange(steps)
         completion_mask = (cols[None, :] <= end[:, None]).long()
         if steps == 0:
             completion_mask = completion_mask[:, :0]
         tokens = tokens.masked_fill(completion_mask == 0, pad_id)
         logps = logps.masked_fill(completion_mask == 0, 0.0)
-        texts = tokenizer.batch_decode(tokens, skip_special_tokens=True)
+        texts = self.tokenizer.batch_decode(tokens, skip_special_tokens=True)
         if stop:
             texts = [cut_at_stop(x, stop) for x in texts]
+        P = len(prompt_ids)
         return Rollout(prompt_ids=[x for x in prompt_ids for _ in range(n)],
                        completion_ids=tokens, completion_mask=completion_mask, logprobs=logps,
                        truncated=~done, group_ids=torch.arange(P).repeat_interleave(n),

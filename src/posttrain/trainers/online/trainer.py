@@ -34,7 +34,7 @@ import torch
 from posttrain import data as data_mod
 from posttrain import fast
 from posttrain.builtin import task as builtin_task
-from posttrain.config import PPOConfig, RLConfig
+from posttrain.config import ConfigError, PPOConfig, RLConfig
 from posttrain.core import AdaptiveKLController, FixedKLController
 from posttrain.core.algorithms import compute_advantages
 from posttrain.evaluate import greedy_completions
@@ -87,10 +87,13 @@ class RLTrainer(Job):
             self.train_rows = data_mod.load(cfg.data, "rl")[1]
             self.eval_rows = data_mod.load(cfg.eval_data, "rl")[1] if cfg.eval_data else []
         self.rewards = parse_rewards(cfg.reward or "builtin", cfg.reward_weights, cfg.device)
+        for term in self.rewards:  # reward models (rm:DIR) run the same forward speed-ups
+            if isinstance(getattr(term.fn, "model", None), torch.nn.Module):
+                fast.prepare_model(term.fn.model, cfg.fast)
         self.critic = None
         if self.algo.critic:
             loop.seed_everything(cfg.seed)  # a fresh value head is drawn from the global RNG
-            source = str(resume / "critic") if resume else self._critic_source()
+            source = str(resume / "critic") if resume else self.critic_source()
             self.critic = fast.prepare_model(load_reward_model(
                 source, self.tok, cfg.dtype, cfg.device, cfg.trust_remote_code), cfg.fast)
             value_head(self.critic)  # fail now, not after the first rollout
@@ -99,7 +102,10 @@ class RLTrainer(Job):
                                             cfg.kl_horizon) if cfg.kl_target > 0
                        else FixedKLController(self.algo.reward_kl_coef))
         self.gen = torch.Generator().manual_seed(cfg.seed)
-        self.engine = make_engine(cfg.rollout_backend, self.policy, self.tok, cfg.fast)
+        try:
+            self.engine = make_engine(cfg.rollout_backend, self.policy, self.tok, cfg.fast)
+        except ValueError as e:  # a backend that cannot run this model
+            raise ConfigError(str(e)) from None
         self.experience = ExperienceMaker(cfg, self.algo, self.engine, self.tok, self.rewards,
                                           self.train_rows, self.gen)
         self.compiled = compile_models(cfg, [self.policy, self.ref, self.critic], self.device)
@@ -124,7 +130,7 @@ class RLTrainer(Job):
         return fast.prepare_model(load_causal_lm(name, cfg.dtype, cfg.device,
                                                  cfg.trust_remote_code), cfg.fast)
 
-    def _critic_source(self) -> str:
+    def critic_source(self) -> str:
         """Where the critic starts: ``critic_model``; else the reward model when the reward is
         one ``rm:DIR`` term that reads the policy's tokens; else the policy's weights."""
         cfg = self.cfg
