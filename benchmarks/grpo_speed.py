@@ -12,7 +12,7 @@ one-off compile falls in the first step, which the median skips) and TRL unchang
 training and reference forwards; generation runs uncompiled, as posttrain's lean decoder
 does; its first step holds the compile). ``identical_malloc``: ``identical`` with TRL's
 process given the glibc setting posttrain's trainers apply by default
-(``posttrain.runtime.keep_freed_memory``), to show how much of the difference that
+(``posttrain.fast.memory.keep_freed_memory``), to show how much of the difference that
 setting makes.
 
 Models: ``small`` (~0.5M: hidden 128, 2 layers) and ``medium`` (~25M: hidden 512, 8 layers),

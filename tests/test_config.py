@@ -184,7 +184,10 @@ def test_dump_load_round_trip(tmp_path, cls):
     ("grpo", ["--max_length", "64"], "unknown key 'max_length'"),
     ("sft", ["--group_size", "4"], "unknown key 'group_size'"),
     ("grpo", ["--critic_lr", "1e-4"], "unknown key 'critic_lr'"),
-    ("ppo", ["--algo", "reinforce_pp", "--critic_lr", "1e-4"], "critic_lr.*no critic"),
+    ("ppo", ["--algo", "reinforce_pp", "--critic_lr", "3e-4"], "critic_lr.*no critic"),
+    ("grpo", ["--algo", "grpo", "--overlong_cache", "4"], "overlong_cache.*no overlong"),
+    ("grpo", ["--dynamic_sampling_rounds", "2"], "dynamic_sampling_rounds"),
+    ("grpo", ["--fast", "false", "--rollout_backend", "lean"], "fast=false"),
     ("ppo", ["--algo", "reinforce_pp_baseline", "--value_clip", "0.1"], "value_clip.*no critic"),
     ("grpo", ["--data", "x.jsonl"], "--data needs --reward"),
     ("grpo", ["--rollout_backend", "vllm"], "rollout_backend"),
@@ -218,3 +221,18 @@ def test_command_help_and_choices_read_the_algorithm_table():
     assert set(PPOConfig.ALGOS) == {n for n, a in ALGORITHMS.items() if a.token_rewards}
     help_grpo = _commands()["grpo"][0]
     assert all(name in help_grpo for name in RLConfig.ALGOS)
+
+
+@pytest.mark.parametrize("command, args", [
+    ("ppo", ["--algo", "reinforce_pp"]), ("ppo", []), ("grpo", ["--algo", "dapo"]),
+    ("dpo", []), ("rm", []),
+])
+def test_a_runs_own_config_yaml_loads_again(tmp_path, command, args):
+    """config.yaml lists every key at its value, defaults included (critic keys of an
+    algorithm without a critic too): loading it with --config gives the same config."""
+    from posttrain.cli import _commands, _config_class
+
+    cls = _config_class(_commands()[command][1])
+    cfg = config.load(cls, None, args)
+    config.dump(cfg, tmp_path / "config.yaml")
+    assert config.load(cls, str(tmp_path / "config.yaml")) == cfg

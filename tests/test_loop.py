@@ -133,3 +133,26 @@ def test_checkpoints_are_written_atomically(tmp_path):
     ckpt.write_atomically(target, lambda tmp: (tmp / "b").write_text("2"))
     assert sorted(p.name for p in target.iterdir()) == ["b"]
     assert not target.with_name("checkpoint-3.tmp").exists()
+
+
+def test_window_averages_each_value_over_the_steps_that_reported_it():
+    from posttrain.trainers.loop import StepResult, Window
+
+    w = Window()
+    w.add(StepResult(values={"train/loss": 2.0, "reward/mean": 1.0}), 0.5)
+    w.add(StepResult(values={"reward/mean": 3.0}), 1.5)  # the policy did not train
+    m = w.means()
+    assert m["train/loss"] == 2.0 and m["reward/mean"] == 2.0 and m["time/step_s"] == 1.0
+    w2 = Window()
+    w2.load(w.state())
+    assert w2.means() == m
+
+
+def test_a_checkpoint_of_another_format_is_refused_by_name(tmp_path):
+    from posttrain.trainers.loop import check_resumable
+
+    old = tmp_path / "checkpoint-4"
+    old.mkdir()
+    (old / "trainer_state.json").write_text('{"step": 4, "kl_coef": 0.05}')
+    with pytest.raises(FileNotFoundError, match="checkpoint-4.*older release"):
+        check_resumable(str(old))

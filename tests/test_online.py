@@ -264,7 +264,7 @@ def test_learning_rate_schedule_over_rl_steps(tiny_model_dir, tmp_path, rl_files
     run_rl(_cfg(tiny_model_dir, tmp_path, "dr_grpo", data=str(data), reward=f"{reward}:by_len",
                 max_steps=4, lr=1e-3, lr_schedule="linear", warmup_ratio=0.5))
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    lrs = [r["optim/lr"] for r in rows if "optim/lr" in r]
+    lrs = [r["train/lr"] for r in rows if "train/lr" in r]  # the rate each step used
     assert lrs == pytest.approx([5e-4, 1e-3, 1e-3, 5e-4])
 
 

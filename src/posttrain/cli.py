@@ -90,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--batch_size", type=int, default=64)
     ev.add_argument("--device", default="auto")
     ev.add_argument("--trust_remote_code", action="store_true")
+    ev.add_argument("--fast", default="true", choices=["true", "false"],
+                    help="false: the plain path (hf engine, no posttrain.fast speed-ups)")
     sub.add_parser("demo", help="train a toy policy with every RL algorithm of the core "
                                 "(seconds, CPU)")
     return parser
@@ -101,6 +103,7 @@ def _run_eval(args) -> int:
     from posttrain.builtin import task
     from posttrain.evaluate import evaluate_policy, load_reward_function
     from posttrain.models import load_causal_lm, load_tokenizer
+    from posttrain.rollout import make_engine
 
     if args.data is None:
         if args.task not in (None, "builtin"):
@@ -114,9 +117,13 @@ def _run_eval(args) -> int:
         _, rows = data_mod.load(args.data, "rl")
         reward_fn = load_reward_function(args.reward)
     tok = load_tokenizer(args.model, args.trust_remote_code)
+    use_fast = args.fast == "true"
     model = fast.prepare_model(load_causal_lm(args.model, device=args.device,
-                                              trust_remote_code=args.trust_remote_code))
-    result = evaluate_policy(model, tok, rows, reward_fn, args.max_new_tokens, args.batch_size)
+                                              trust_remote_code=args.trust_remote_code),
+                               use_fast)
+    engine = make_engine("auto", model, tok, use_fast)
+    result = evaluate_policy(model, tok, rows, reward_fn, args.max_new_tokens, args.batch_size,
+                             engine=engine)
     print(json.dumps({"model": args.model, **result}))
     return 0
 

@@ -52,12 +52,13 @@ def evaluate_policy(model, tokenizer, rows: list[dict], reward_fn: Callable,
     """Greedy-decode every row's prompt (through ``engine``, default the ``auto`` engine of
     ``model``), score with ``reward_fn(prompts, completions, **columns)``; return accuracy,
     mean reward and the count."""
+    from posttrain.rewards import reward_columns
     from posttrain.rollout import make_engine
 
     engine = engine or make_engine("auto", model, tokenizer)
     prompts = [r["prompt"] for r in rows]
     completions = greedy_completions(engine, prompts, max_new_tokens, batch_size)
-    columns = {k: [r.get(k) for r in rows] for k in rows[0] if k not in ("prompt", "_row")}
+    columns = reward_columns(rows)
     rewards = [float(x) for x in reward_fn(prompts, completions, **columns)]
     if len(rewards) != len(rows):
         raise ValueError(f"reward function returned {len(rewards)} values for {len(rows)} rows")

@@ -22,6 +22,12 @@ from dataclasses import dataclass
 import torch
 
 
+def reward_columns(rows: list[dict]) -> dict[str, list]:
+    """The columns a reward function gets by name: every field of the rows but the prompt
+    (and the loader's row number)."""
+    return {k: [r.get(k) for r in rows] for k in rows[0] if k not in ("prompt", "_row")}
+
+
 class RewardError(ValueError):
     """A reward function failed on a sample."""
 

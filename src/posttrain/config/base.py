@@ -42,13 +42,15 @@ class RunConfig:
     """Every this many steps: one metrics.jsonl row (the means over those steps) and a
     progress line."""
     eval_every: int = 0
-    """Evaluate every this many steps; 0 = at the end only."""
+    """Evaluate every this many steps; 0 = at the end only (RL commands also evaluate
+    before the first step)."""
     save_every: int = 0
     """Write checkpoint-<step>/ every this many steps; 0 = final model only."""
     resume_from: str | None = None
     """A checkpoint-<step>/ directory of an earlier run of the same config: continue from
-    its model, optimiser, RNG and data position up to max_steps (bit-identical to a run that
-    was never interrupted)."""
+    its model, optimiser, RNG and data position up to max_steps: the run that was never
+    interrupted, bit for bit with MKL_CBWR=AUTO,STRICT set (MKL otherwise rounds with memory
+    alignment), else to float rounding."""
     eval_batch_size: int = 64
     """Examples per evaluation batch."""
     dtype: str = "float32"
@@ -58,7 +60,8 @@ class RunConfig:
     fast: bool = True
     """The speed machinery of posttrain.fast (the lean Llama-family decoder and its replayed
     projections, eager attention for short CPU inputs, keep_freed_memory); false = the plain
-    model-agnostic path everywhere. Results agree to float rounding."""
+    model-agnostic path everywhere (compile stays its own opt-in). Results agree to float
+    rounding."""
     keep_freed_memory: bool = True
     """Linux/glibc: keep memory the process frees for reuse instead of returning it to the
     kernel, so each step's activations do not page-fault afresh (13% off a 25M-parameter
@@ -105,8 +108,10 @@ class RunConfig:
             self.output_dir = f"runs/{self.run_name}"
 
     def refuse(self, keys: tuple[str, ...], why: str) -> None:
-        """An unknown-key error for any of ``keys`` that the file or command line set: this
-        command (or algorithm) does not read them."""
+        """An unknown-key error for any of ``keys`` that the file or command line set to
+        something other than its default: this command (or algorithm) does not read them. (A
+        run's own config.yaml lists every key at its value, defaults included, and loads.)"""
+        defaults = type(self)()
         for key in keys:
-            if key in self.given:
+            if key in self.given and getattr(self, key) != getattr(defaults, key):
                 raise ConfigError(f"unknown key {key!r} for {why}")

@@ -72,7 +72,7 @@ class RMConfig(OfflineConfig):
 @dataclass
 class DPOConfig(OfflineConfig):
     """Direct preference optimisation against a frozen reference. The defaults lift the
-    built-in model's held-out accuracy by about 39 points (docs/benchmarks.md): β = 0.5
+    built-in model's held-out accuracy by about 42 points (docs/benchmarks.md): β = 0.5
     rather than the usual 0.1, because pairs the model already separates then saturate
     sooner and the harder pairs keep their weight; lr 2e-5 over 3 epochs."""
 

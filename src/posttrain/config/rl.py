@@ -91,7 +91,7 @@ class RLConfig(RunConfig):
     """Keep the linear layers' outputs the sampler computed, and let the policy's passes that
     come before its first optimizer step (the update of a one-update step, the old
     log-probs) take them instead of running those matmuls again: 2·N FLOPs per completion
-    token saved. Applies with share_prompt where the batch's passes take two calls (prompts,
+    token saved. Applies with fast, share_prompt where the batch's passes take two calls (prompts,
     then completions over their KV cache; a batch of short rows packed into one call
     replays nothing, and the next rollouts are not captured while batches pack), the lean
     sampler (Llama-family), no dropout and no compile; false = always recompute."""
@@ -115,6 +115,8 @@ class RLConfig(RunConfig):
         if self.data is not None and not self.reward:
             raise ConfigError("--data needs --reward (module:function, file.py:function or "
                               "rm:DIR)")
+        check(self.fast or self.rollout_backend != "lean",
+              "rollout_backend=lean is part of the speed machinery that fast=false turns off")
         algo = self.algorithm()
         check(self.group_size >= 2 or not algo.needs_groups,
                f"group_size must be ≥ 2 for {self.algo}")
@@ -135,6 +137,13 @@ class RLConfig(RunConfig):
                "dynamic_sampling_rounds and max_new_tokens must be ≥ 1")
         check(self.on_reward_error in ("raise", "skip"), "on_reward_error must be raise or skip")
         check(self.temperature > 0, "temperature must be > 0 for RL sampling")
+        if not algo.dynamic_sampling:
+            self.refuse(("dynamic_sampling_rounds",),
+                        f"{self.algo}, which has no dynamic sampling")
+        if not algo.overlong_shaping:
+            self.refuse(("overlong_cache",), f"{self.algo}, which has no overlong shaping")
+        if self.kl_target == 0:
+            self.refuse(("kl_horizon",), "a fixed KL coefficient (kl_horizon needs kl_target)")
 
     def _overrides(self) -> dict:
         """Fields of the algorithm's record that this config sets."""

@@ -3,14 +3,11 @@ behind the ``compile`` key."""
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from posttrain.config import ConfigError
 from posttrain.models.loading import moe_experts
 
-log = logging.getLogger(__name__)
 
 def compile_unsupported(device: torch.device) -> str | None:
     """Why ``torch.compile`` cannot build kernels for ``device`` here, or None when it can."""

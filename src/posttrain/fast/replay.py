@@ -194,7 +194,7 @@ class DecodeActivations:
         return cls(layers, parts[0].version)
 
     def replay_map(self, model, columns: int) -> dict[torch.nn.Module, torch.Tensor | tuple]:
-        """What :func:`modeling.replay_forward` takes for ``model``: each attention
+        """What :func:`replay_forward` takes for ``model``: each attention
         projection mapped to its saved output, each MLP to its gate, up and output, over the
         first ``columns`` completion positions."""
         out: dict[torch.nn.Module, torch.Tensor | tuple] = {}
@@ -212,7 +212,7 @@ class DecodeActivations:
 def can_replay(model) -> bool:
     """Whether the update's forward may take ``model``'s projections from its lean sampler
     (:class:`DecodeActivations`): a model the lean decoder runs (plain ``nn.Linear``
-    projections, a bias-free SwiGLU MLP that ``modeling.replay_forward`` knows), whose
+    projections, a bias-free SwiGLU MLP that :func:`replay_forward` knows), whose
     training forward computes what sampling computed (no dropout, no gradient
     checkpointing)."""
     checkpointing = any(getattr(m, "gradient_checkpointing", False) is True

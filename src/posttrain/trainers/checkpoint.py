@@ -16,6 +16,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 STATE = "trainer_state.json"
+FORMAT = 2
+"""The checkpoint layout this module writes (1: the per-trainer checkpoints before the one
+run loop)."""
 
 
 def save_optimizer(opt: torch.optim.Optimizer, path: Path) -> None:

@@ -183,13 +183,14 @@ def start_run(cfg) -> None:
 
 
 class Window:
-    """The metrics of the steps since the last logged row."""
+    """The metrics of the steps since the last logged row. A per-step value is averaged over
+    the steps that reported it (an RL step whose policy did not train reports no loss)."""
 
     def __init__(self):
         self.sums: dict[str, float] = {}
         self.units = 0.0
         self.values: dict[str, float] = {}
-        self.steps = 0
+        self.counts: dict[str, int] = {}
 
     def add(self, r: StepResult, seconds: float) -> None:
         for k, v in r.sums.items():
@@ -197,20 +198,20 @@ class Window:
         self.units += r.units
         for k, v in {**r.values, "time/step_s": seconds}.items():
             self.values[k] = self.values.get(k, 0.0) + v
-        self.steps += 1
+            self.counts[k] = self.counts.get(k, 0) + 1
 
     def means(self) -> dict[str, float]:
         out = {k: v / max(self.units, 1) for k, v in self.sums.items()}
-        out.update({k: v / self.steps for k, v in self.values.items()})
+        out.update({k: v / self.counts[k] for k, v in self.values.items()})
         return out
 
     def state(self) -> dict:
         return {"sums": self.sums, "units": self.units, "values": self.values,
-                "steps": self.steps}
+                "counts": self.counts}
 
     def load(self, s: dict) -> None:
         self.sums, self.units = s["sums"], s["units"]
-        self.values, self.steps = s["values"], s["steps"]
+        self.values, self.counts = s["values"], s["counts"]
 
 
 def save_checkpoint(path: Path, job: Job, step: int, window: Window) -> None:
@@ -225,7 +226,8 @@ def save_checkpoint(path: Path, job: Job, step: int, window: Window) -> None:
                    **{f"job.{k}": v.contiguous() for k, v in tensors.items()}},
                   str(tmp / "state.safetensors"))
         (tmp / ckpt.STATE).write_text(json.dumps(
-            {"step": step, "rng": rng_meta, "job": meta, "window": window.state()}))
+            {"format": ckpt.FORMAT, "step": step, "rng": rng_meta, "job": meta,
+             "window": window.state()}))
     ckpt.write_atomically(path, write)
 
 
@@ -243,6 +245,15 @@ def load_checkpoint(path: Path, job: Job, window: Window) -> int:
     return int(state["step"])
 
 
+def load_policy(cfg, name: str):
+    """A causal LM ``name`` on ``cfg``'s device and dtype, with the forward speed-ups of
+    ``posttrain.fast`` when ``cfg.fast``."""
+    from posttrain.models import load_causal_lm
+
+    return fast.prepare_model(load_causal_lm(name, cfg.dtype, cfg.device, cfg.trust_remote_code),
+                              cfg.fast)
+
+
 def check_resumable(path: str | None) -> Path | None:
     """The checkpoint directory ``resume_from`` names, checked before any model loads."""
     if not path:
@@ -250,13 +261,17 @@ def check_resumable(path: str | None) -> Path | None:
     p = Path(path)
     if not (p / ckpt.STATE).exists():
         raise FileNotFoundError(f"resume_from={p}: not a checkpoint directory (no {ckpt.STATE})")
+    fmt = json.loads((p / ckpt.STATE).read_text()).get("format")
+    if fmt != ckpt.FORMAT:
+        raise FileNotFoundError(f"resume_from={p}: a checkpoint of format {fmt}, written by an "
+                                f"older release (this one reads format {ckpt.FORMAT})")
     return p
 
 
 def run(cfg, job: Job, total_steps: int) -> dict[str, float]:
     """Run ``job`` for ``total_steps`` steps (see the module docstring); returns the last
     value of every metric logged."""
-    out = Path(cfg.output_dir)
+    out = Path(cfg.output_dir or f"runs/{cfg.run_name}")
     prepare_output(cfg, out)
     window = Window()
     step0 = 0
@@ -274,6 +289,8 @@ def run(cfg, job: Job, total_steps: int) -> dict[str, float]:
                         TextColumn("{task.fields[info]}"), TimeRemainingColumn(),
                         console=console, disable=not interactive)
     try:
+        if step0 == 0:
+            seed_everything(cfg.seed)  # models are loaded: training starts from the seed
         if job.eval_at_start and step0 == 0:
             start = job.evaluate()
             if start:

@@ -8,7 +8,6 @@ the step is cut into micro-batches; the run loop (:mod:`.loop`) does everything 
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import torch
@@ -22,7 +21,6 @@ from posttrain.fast.compile import compile_models
 from posttrain.models import (
     completion_logprobs,
     decide_share_prompt,
-    load_causal_lm,
     load_reward_model,
     load_tokenizer,
     save_model,
@@ -31,9 +29,6 @@ from posttrain.models import (
 )
 from posttrain.trainers import loop
 from posttrain.trainers.loop import Job, Optim, StepResult
-
-log = logging.getLogger(__name__)
-
 
 # --- data ------------------------------------------------------------------------------------
 
@@ -295,14 +290,9 @@ def _start(cfg, kind: str):
     return tokenizer, train_ex, eval_ex, str(resume or cfg.model)
 
 
-def _causal_lm(cfg, name: str):
-    return fast.prepare_model(load_causal_lm(name, cfg.dtype, cfg.device, cfg.trust_remote_code),
-                              cfg.fast)
-
-
 def run_sft(cfg: SFTConfig) -> dict[str, float]:
     tokenizer, train_ex, eval_ex, source = _start(cfg, "sft")
-    model = _causal_lm(cfg, source)
+    model = loop.load_policy(cfg, source)
     compile_models(cfg, [model], model.device)
     return SFTTrainer(cfg, model, tokenizer, train_ex, eval_ex).train()
 
@@ -318,8 +308,8 @@ def run_rm(cfg: RMConfig) -> dict[str, float]:
 
 def run_dpo(cfg: DPOConfig) -> dict[str, float]:
     tokenizer, train_ex, eval_ex, source = _start(cfg, "preference")
-    model = _causal_lm(cfg, source)
-    ref = _causal_lm(cfg, cfg.ref_model or cfg.model)
+    model = loop.load_policy(cfg, source)
+    ref = loop.load_policy(cfg, cfg.ref_model or cfg.model)
     trainer = DPOTrainer(cfg, model, tokenizer, train_ex, eval_ex, ref)
     compile_models(cfg, [model, trainer.ref_model], model.device)
     return trainer.train()

@@ -17,6 +17,7 @@ import torch
 from posttrain.builtin import task as builtin_task
 from posttrain.core import RunningMoments, groups_with_signal, overlong_penalty
 from posttrain.core.algorithms import Algorithm
+from posttrain.rewards import reward_columns
 from posttrain.rewards import score as score_rewards
 from posttrain.rollout import Rollout, RolloutEngine, SamplingParams, concat, select
 
@@ -65,7 +66,7 @@ class ExperienceMaker:
     def score(self, rows: list[dict], rollout: Rollout):
         G = self.cfg.group_size
         rep = [r for r in rows for _ in range(G)]
-        columns = {k: [r.get(k) for r in rep] for k in rows[0] if k not in ("prompt", "_row")}
+        columns = reward_columns(rep)
         prompts = [r["prompt"] for r in rep]
         total, terms, valid = score_rewards(self.rewards, prompts, rollout.texts, columns,
                                     self.cfg.on_reward_error)

@@ -13,7 +13,7 @@ from posttrain.core import (
 
 def step_metrics(cfg, algo, exp, tokens, scores, mask, valid, old, ref, old_values, returns,
                  live, sums: dict[str, float], n_steps: int, n_critic_steps: int,
-                 lr: float, times: dict[str, float]) -> tuple[dict[str, float], float | None]:
+                 times: dict[str, float]) -> tuple[dict[str, float], float | None]:
     """The step's record and, when the reward carries a KL penalty, the mean per-sequence KL
     (what the adaptive controller tracks)."""
     ro = exp.rollout
@@ -35,7 +35,7 @@ def step_metrics(cfg, algo, exp, tokens, scores, mask, valid, old, ref, old_valu
                                          .view(-1, G).all(-1).float().mean()),
         "groups/dropped": exp.dropped_groups, "sampling/rounds": exp.rounds,
         "samples/backward_frac": float(live.float().mean()),
-        "optim/steps": n_steps, "optim/lr": lr,
+        "optim/steps": n_steps,
         **{f"time/{k}_s": v for k, v in times.items()},
         "time/tokens_per_s": float(ro.lengths.sum()) / max(times["generate"], 1e-9),
     })

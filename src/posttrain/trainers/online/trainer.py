@@ -42,13 +42,12 @@ from posttrain.fast.compile import compile_models
 from posttrain.fast.replay import can_replay, track_policy_version
 from posttrain.models import (
     decide_share_prompt,
-    load_causal_lm,
     load_reward_model,
     load_tokenizer,
     save_model,
     value_head,
 )
-from posttrain.rewards import parse_rewards, score
+from posttrain.rewards import parse_rewards, reward_columns, score
 from posttrain.rollout import make_engine
 from posttrain.trainers import loop
 from posttrain.trainers.loop import Job, Optim, StepResult
@@ -74,12 +73,12 @@ class RLTrainer(Job):
         loop.start_run(cfg)
         resume = loop.check_resumable(cfg.resume_from)
         self.tok = load_tokenizer(cfg.model, cfg.trust_remote_code)
-        self.policy = self._causal_lm(str(resume or cfg.model))
+        self.policy = loop.load_policy(cfg, str(resume or cfg.model))
         self.device = next(self.policy.parameters()).device
         self.share_prompt = decide_share_prompt(cfg.share_prompt, self.policy, cfg.group_size)
         self.ref = None
         if self.algo.needs_reference:
-            self.ref = self._causal_lm(cfg.model).eval().requires_grad_(False)
+            self.ref = loop.load_policy(cfg, cfg.model).eval().requires_grad_(False)
         if cfg.data is None:
             self.train_rows = builtin_task.rl_rows(cfg.builtin_train_size, "train", cfg.seed)
             self.eval_rows = builtin_task.rl_rows(cfg.builtin_eval_size, "eval", cfg.seed)
@@ -124,11 +123,6 @@ class RLTrainer(Job):
         self.experience.capture = self.reuse_rollout_forward
         self.packed = False
         """Whether the last batch's shared-prompt passes were packed into one call."""
-
-    def _causal_lm(self, name: str):
-        cfg = self.cfg
-        return fast.prepare_model(load_causal_lm(name, cfg.dtype, cfg.device,
-                                                 cfg.trust_remote_code), cfg.fast)
 
     def critic_source(self) -> str:
         """Where the critic starts: ``critic_model``; else the reward model when the reward is
@@ -186,8 +180,7 @@ class RLTrainer(Job):
         times = {"generate": exp.generate_s, "reward": exp.reward_s,
                  "passes": t_passes - t0, "update": t_update - t_passes}
         record, kl = step_metrics(cfg, algo, exp, tokens, scores, mask, valid, old, ref,
-                                  old_values, returns, live, sums, n_steps, n_critic,
-                                  self.optimizers[0].opt.param_groups[0]["lr"], times)
+                                  old_values, returns, live, sums, n_steps, n_critic, times)
         if kl is not None and train_policy:  # while the critic warms up the policy is the ref
             self.kl_ctl.update(kl, int(valid.sum()))
         return StepResult(values=record)
@@ -231,7 +224,7 @@ class RLTrainer(Job):
         prompts = [r["prompt"] for r in rows]
         completions = greedy_completions(self.engine, prompts, self.cfg.max_new_tokens,
                                          self.cfg.eval_batch_size)
-        columns = {k: [r.get(k) for r in rows] for k in rows[0] if k not in ("prompt", "_row")}
+        columns = reward_columns(rows)
         total, terms, valid = score(self.rewards, prompts, completions, columns, "skip")
         correct = self.experience.correct(prompts, completions, columns, terms)
         return {"eval/accuracy": float(correct.float().mean()),
