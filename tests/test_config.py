@@ -181,7 +181,6 @@ def test_dump_load_round_trip(tmp_path, cls):
 @pytest.mark.parametrize("command, args, match", [
     ("grpo", ["--grad_accum", "7"], "unknown key 'grad_accum'"),
     ("grpo", ["--batch_size", "4"], "unknown key 'batch_size'"),
-    ("grpo", ["--max_length", "64"], "unknown key 'max_length'"),
     ("sft", ["--group_size", "4"], "unknown key 'group_size'"),
     ("grpo", ["--critic_lr", "1e-4"], "unknown key 'critic_lr'"),
     ("ppo", ["--algo", "reinforce_pp", "--critic_lr", "3e-4"], "critic_lr.*no critic"),

@@ -209,6 +209,7 @@ def test_builtin_missing_model_message(monkeypatch, tmp_path):
     monkeypatch.setattr(modeling, "builtin_model_dir", lambda: Path(tmp_path / "none"))
     with pytest.raises(FileNotFoundError, match="rebuild"):
         modeling.resolve("builtin")
+    monkeypatch.setattr(modeling, "_check_hub", lambda name: None)  # as if cached
     assert modeling.resolve("some/hub-id") == "some/hub-id"
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 
 from posttrain import __version__
@@ -74,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "PPO, GRPO, DAPO, GSPO.",
     )
     parser.add_argument("--version", action="version", version=f"posttrain {__version__}")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of an error (anywhere on the command line)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (help_text, cls_name, _) in _commands().items():
         p = sub.add_parser(name, help=help_text, description=help_text,
@@ -101,19 +104,24 @@ def _run_eval(args) -> int:
     from posttrain import data as data_mod
     from posttrain import fast
     from posttrain.builtin import task
+    from posttrain.config import ConfigError, check_device
     from posttrain.evaluate import evaluate_policy, load_reward_function
     from posttrain.models import load_causal_lm, load_tokenizer
     from posttrain.rollout import make_engine
 
+    for key in ("n", "max_new_tokens", "batch_size"):
+        if getattr(args, key) < 1:
+            raise ConfigError(f"eval --{key} must be ≥ 1, got {getattr(args, key)}")
+    check_device(args.device)
     if args.data is None:
         if args.task not in (None, "builtin"):
-            raise SystemExit(f"error: unknown task {args.task!r}; use --task builtin or --data")
+            raise ConfigError(f"unknown task {args.task!r}; use --task builtin or --data")
         rows, reward_fn = task.rl_rows(args.n, "eval"), task.reward
         if args.reward:
             reward_fn = load_reward_function(args.reward)
     else:
         if not args.reward:
-            raise SystemExit("error: --data needs --reward module:function")
+            raise ConfigError("--data needs --reward module:function")
         _, rows = data_mod.load(args.data, "rl")
         reward_fn = load_reward_function(args.reward)
     tok = load_tokenizer(args.model, args.trust_remote_code)
@@ -124,8 +132,19 @@ def _run_eval(args) -> int:
     engine = make_engine("auto", model, tok, use_fast)
     result = evaluate_policy(model, tok, rows, reward_fn, args.max_new_tokens, args.batch_size,
                              engine=engine)
-    print(json.dumps({"model": args.model, **result}))
+    print(_json({"model": args.model, **result}))
+    if not math.isfinite(result["mean_reward"]):
+        print(f"error: the mean reward is {result['mean_reward']}: the reward function "
+              "returned a value that is not a finite number", file=sys.stderr)
+        return 2
     return 0
+
+
+def _json(record: dict) -> str:
+    """``record`` as strict JSON: a value that is not a finite number becomes null."""
+    def clean(v):
+        return None if isinstance(v, float) and not math.isfinite(v) else v
+    return json.dumps({k: clean(v) for k, v in record.items()}, allow_nan=False)
 
 
 def _quiet_transformers() -> None:
@@ -135,41 +154,60 @@ def _quiet_transformers() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
-def main(argv: list[str] | None = None) -> int:
-    from posttrain.config import ConfigError
-    from posttrain.data import DataError
+def _one_line(e: BaseException) -> str:
+    """An exception as one line for the user: the message of a user error (bad config,
+    data, path, reward, non-finite value, ...) as it is; anything else with its type."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    if len(text) > 600:
+        text = text[:600] + " ..."
+    if isinstance(e, (ValueError, OSError, RuntimeError, ImportError)):
+        return text
+    return f"{type(e).__name__}: {text}"
 
+
+def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.command not in COMMANDS and rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
-        if args.command in COMMANDS:
-            from posttrain import config
-
-            _, cls_name, entry = _commands()[args.command]
-            cfg = config.load(_config_class(cls_name), args.config, rest)
-            _quiet_transformers()
-            metrics = _entry(*entry)(cfg)
-            print(json.dumps({"output_dir": cfg.output_dir, **{
-                k: v for k, v in metrics.items() if k.startswith("eval/")}}))
-            return 0
-        if args.command == "eval":
-            _quiet_transformers()
-            return _run_eval(args)
-        if args.command == "demo":
-            from posttrain.demo import main as demo_main
-
-            return demo_main()
-    except (ConfigError, DataError, FileNotFoundError, ImportError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except ValueError as e:  # bad --reward spec and similar user errors
-        if args.command != "eval":
+        return _dispatch(parser, args, rest)
+    except KeyboardInterrupt:
+        if debug:
             raise
-        print(f"error: {e}", file=sys.stderr)
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # every failure is one line; --debug shows the traceback
+        if debug:
+            raise
+        print(f"error: {_one_line(e)} (--debug shows the traceback)"
+              if not isinstance(e, (ValueError, OSError)) else f"error: {_one_line(e)}",
+              file=sys.stderr)
         return 2
+
+
+def _dispatch(parser, args, rest) -> int:
+    if args.command in COMMANDS:
+        from posttrain import config
+
+        _, cls_name, entry = _commands()[args.command]
+        cfg = config.load(_config_class(cls_name), args.config, rest)
+        _quiet_transformers()
+        metrics = _entry(*entry)(cfg)
+        print(_json({"output_dir": cfg.output_dir,
+                     **{k: v for k, v in metrics.items() if k.startswith("eval/")}}))
+        return 0
+    if args.command == "eval":
+        _quiet_transformers()
+        return _run_eval(args)
+    if args.command == "demo":
+        from posttrain.demo import main as demo_main
+
+        return demo_main()
     parser.print_help()
     return 0
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import numbers
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,13 +61,26 @@ def read_rows(source: str | list[dict]) -> tuple[str, list[dict]]:
         except ImportError:
             raise DataError(name, None, None, "reading Parquet needs pyarrow: "
                             "pip install 'posttrain[data]'") from None
-        return name, pq.read_table(path).to_pylist()
+        try:
+            return name, pq.read_table(path).to_pylist()
+        except Exception as e:  # pyarrow's errors for a file that is not Parquet
+            raise DataError(name, None, None, f"cannot read as Parquet: {e}") from None
     raise DataError(name, None, None, f"unsupported file type {suffix!r}; use .jsonl, "
                     ".json, .parquet or a datasets directory")
 
 
+def _decode(path: Path, raw: bytes) -> str:
+    """``raw`` as UTF-8 text, or a :class:`DataError` naming the line of the first bad byte."""
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise DataError(str(path), line, None, f"not valid UTF-8 text (byte {e.start}: "
+                        f"{raw[e.start:e.start + 1]!r}); save the file as UTF-8") from None
+
+
 def _read_json(path: Path) -> list[dict]:
-    text = path.read_text(encoding="utf-8-sig")
+    text = _decode(path, path.read_bytes())
     if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
         try:
             rows = json.loads(text)
@@ -169,6 +183,8 @@ def validate(source: str, rows: list, kind: str) -> list[dict]:
                                        or isinstance(margin, bool)):
                 raise DataError(source, n, "margin", f"expected a number, got "
                                 f"{type(margin).__name__}")
+            if margin is not None and not math.isfinite(float(margin)):
+                raise DataError(source, n, "margin", f"expected a finite number, got {margin}")
         else:
             _need_text(source, row, n, "prompt")
         out.append(clean)
@@ -304,3 +320,14 @@ def pad_shared_prompts(prompts: list[list[int]], completions: list[list[int]], p
     completion_mask = torch.arange(Lc) < torch.tensor([len(c) for c in completions])[:, None]
     return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
             "completion_ids": completion_ids, "completion_mask": completion_mask.long()}
+
+
+def check_prompt_lengths(tokenizer, source: str, rows: list[dict], max_new_tokens: int,
+                         max_length: int) -> None:
+    """RL rows: each prompt plus the token budget must fit ``max_length`` tokens."""
+    for i, row in enumerate(rows):
+        n = len(tokenizer(row["prompt"])["input_ids"])
+        if n + max_new_tokens > max_length:
+            raise DataError(source, row.get("_row", i + 1), "prompt",
+                            f"{n} tokens + max_new_tokens {max_new_tokens} > max_length "
+                            f"{max_length}")

@@ -76,9 +76,40 @@ def _convert(name: str, value, hint):
             return float(value)
         if hint is str:
             return str(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ConfigError(f"{name}: cannot read {value!r} as {hint.__name__}") from None
     return value
+
+
+# What users of other libraries (TRL, transformers' Trainer, OpenRLHF, verl) type for a key,
+# suggested by name when the key is unknown (one name per setting; no silent aliases).
+OTHER_NAMES = {
+    "learning_rate": "lr", "learning_rat": "lr", "lr_scheduler_type": "lr_schedule",
+    "warmup_steps": "warmup_ratio", "num_train_epochs": "epochs", "num_epochs": "epochs",
+    "per_device_train_batch_size": "batch_size", "train_batch_size": "batch_size",
+    "gradient_accumulation_steps": "grad_accum", "max_grad_norm_clip": "max_grad_norm",
+    "grad_clip": "max_grad_norm", "logging_steps": "log_every", "save_steps": "save_every",
+    "eval_steps": "eval_every", "model_name_or_path": "model", "pretrain": "model",
+    "dataset": "data", "train_file": "data", "num_generations": "group_size",
+    "n_samples_per_prompt": "group_size", "max_completion_length": "max_new_tokens",
+    "generate_max_len": "max_new_tokens", "epsilon": "clip_low", "epsilon_high": "clip_high",
+    "eps_clip": "clip_low", "init_kl_coef": "reward_kl_coef", "kl_ctl": "reward_kl_coef",
+    "num_iterations": "ppo_epochs", "ppo_epochs_per_step": "ppo_epochs",
+    "loss_type_dpo": "loss_type", "resume_from_checkpoint": "resume_from",
+    "torch_dtype": "dtype", "bf16": "dtype", "seed_value": "seed",
+}
+
+
+def suggest(key: str, names: list[str]) -> str:
+    """'; did you mean ...?' for an unknown key: another library's name for one of ours, or
+    the closest of ``names``; '' when nothing is close."""
+    other = OTHER_NAMES.get(key) or next(
+        (OTHER_NAMES[k] for k in difflib.get_close_matches(key, list(OTHER_NAMES), n=1,
+                                                           cutoff=0.85)), None)
+    if other in names:
+        return f"; posttrain calls it {other!r}"
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def apply(cfg, values: dict, source: str = "override"):
@@ -86,11 +117,9 @@ def apply(cfg, values: dict, source: str = "override"):
     hints = typing.get_type_hints(type(cfg))
     names = [f.name for f in fields(cfg)]
     for key, value in values.items():
-        name = key.replace("-", "_")
+        name = str(key).replace("-", "_")
         if name not in names:
-            close = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(f"unknown key {key!r} in {source}{hint}")
+            raise ConfigError(f"unknown key {key!r} in {source}{suggest(name, names)}")
         setattr(cfg, name, _convert(name, value, hints[name]))
         given = getattr(cfg, "given", None)
         if isinstance(given, set):
@@ -122,27 +151,46 @@ def load(cls: type, config_file: str | None = None, overrides: list[str] | None 
     """A validated ``cls`` from defaults, then the YAML file, then command-line overrides."""
     cfg = cls()
     if config_file:
-        path = Path(config_file)
-        if not path.exists():
-            raise ConfigError(f"config file {config_file} does not exist")
-        data = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"{config_file}: expected a mapping of key: value")
-        apply(cfg, data, source=config_file)
+        apply(cfg, read_yaml(config_file), source=config_file)
     if overrides:
         apply(cfg, parse_overrides(overrides), source="command line")
     cfg.validate()
     return cfg
 
 
+def read_yaml(config_file: str) -> dict:
+    """The mapping a YAML config file holds; every problem a :class:`ConfigError` naming the
+    file (and the line, for a syntax error)."""
+    path = Path(config_file)
+    if not path.exists():
+        raise ConfigError(f"config file {config_file} does not exist")
+    if not path.is_file():
+        raise ConfigError(f"config file {config_file} is a directory, not a YAML file")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{config_file}: not UTF-8 text (byte {e.start})") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f", line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{config_file}{where}: invalid YAML: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{config_file}: expected a mapping of key: value, got "
+                          f"{type(data).__name__}")
+    return data
+
+
 def dump(cfg, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
 
 
-from posttrain.config.base import RunConfig  # noqa: E402  (the classes use check above)
+from posttrain.config.base import RunConfig, check_device  # noqa: E402  (they use check)
 from posttrain.config.offline import DPOConfig, OfflineConfig, RMConfig, SFTConfig  # noqa: E402
 from posttrain.config.rl import PPOConfig, RLConfig  # noqa: E402
 
 __all__ = ["ConfigError", "DPOConfig", "OfflineConfig", "PPOConfig", "RLConfig", "RMConfig",
-           "RunConfig", "SFTConfig", "apply", "check", "dump", "field_docs", "load",
+           "RunConfig", "SFTConfig", "apply", "check", "check_device", "dump", "field_docs", "load",
            "parse_overrides"]

@@ -3,10 +3,32 @@ schedule, the run loop's cadences, resume, device and precision, and the speed s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
 from typing import ClassVar
 
 from posttrain.config import ConfigError, check
+
+
+def check_device(device: str) -> None:
+    """A :class:`ConfigError` unless ``device`` names a device this machine has."""
+    import torch
+
+    try:
+        dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available()
+                           else "cpu" if device == "auto" else device)
+    except (RuntimeError, ValueError):
+        raise ConfigError(f"device {device!r}: expected cpu, cuda, cuda:N or auto"
+                          ) from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {device!r}: CUDA is not available here "
+                              "(no GPU, or a CPU build of torch); use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"device {device!r}: only {torch.cuda.device_count()} "
+                              "CUDA device(s)")
+    elif dev.type != "cpu" and not (dev.type == "mps" and torch.backends.mps.is_available()):
+        raise ConfigError(f"device {device!r} is not available here")
 
 
 @dataclass
@@ -73,6 +95,12 @@ class RunConfig:
     once, on first use (about 10 s on 2 CPU cores); on one H200 it cut a 25M fp32 GRPO step by
     29%, on 2 CPU cores it no longer pays (docs/benchmarks.md); needs a C++ compiler (CPU)
     or triton (CUDA)."""
+    overwrite: bool = False
+    """Replace a finished run in output_dir (its final/, checkpoints, metrics and config; the
+    removed paths are printed); without it such a directory is an error."""
+    on_nonfinite: str = "raise"
+    """A NaN or inf loss or gradient norm: raise (stop, naming the step) or skip (leave that
+    optimiser step out, and count it in optim/nonfinite_skipped)."""
     trust_remote_code: bool = False
     """Run model code shipped with a checkpoint (off unless you trust its source)."""
     tensorboard: bool = True
@@ -92,13 +120,20 @@ class RunConfig:
 
     def validate(self) -> None:
         """Check every value and decide the derived ones; raises :class:`ConfigError`."""
-        check(self.lr > 0, "lr must be > 0")
+        for f in fields(self):  # every float key: inf and NaN mean nothing anywhere
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{f.name} must be a finite number, got {value}")
+        check(self.lr > 0, f"lr must be > 0, got {self.lr}")
+        check(self.weight_decay >= 0, f"weight_decay must be ≥ 0, got {self.weight_decay}")
+        check(self.on_nonfinite in ("raise", "skip"), "on_nonfinite must be raise or skip")
+        check_device(self.device)
         check(self.lr_schedule in ("constant", "linear", "cosine"),
               "lr_schedule must be constant, linear or cosine")
         check(0 <= self.warmup_ratio < 1, "warmup_ratio must be in [0, 1)")
         check(self.eval_batch_size >= 1, "eval_batch_size must be ≥ 1")
-        check(self.max_steps >= 0, "max_steps must be ≥ 0")
-        check(self.log_every >= 1, "log_every must be ≥ 1")
+        check(self.max_steps >= 0, f"max_steps must be ≥ 0, got {self.max_steps}")
+        check(self.log_every >= 1, f"log_every must be ≥ 1, got {self.log_every}")
         check(self.eval_every >= 0 and self.save_every >= 0,
               "eval_every and save_every must be ≥ 0")
         check(self.dtype in ("float32", "bfloat16", "float16"),

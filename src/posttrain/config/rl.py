@@ -51,6 +51,9 @@ class RLConfig(RunConfig):
     below the batch) or the reward carries a KL penalty; otherwise the ratio is 1 and the
     loss uses the detached current log-probs."""
     max_new_tokens: int = 8
+    max_length: int = 512
+    """Longest prompt + max_new_tokens allowed, in tokens; a longer prompt stops the run with
+    an error naming its file and row."""
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -136,7 +139,14 @@ class RLConfig(RunConfig):
                "prompts_per_step, minibatch_size, micro_batch_size, ppo_epochs, "
                "dynamic_sampling_rounds and max_new_tokens must be ≥ 1")
         check(self.on_reward_error in ("raise", "skip"), "on_reward_error must be raise or skip")
-        check(self.temperature > 0, "temperature must be > 0 for RL sampling")
+        check(self.temperature > 0, f"temperature must be > 0 for RL sampling, got "
+              f"{self.temperature}")
+        check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        check(self.top_k >= 0, f"top_k must be ≥ 0 (0 = off), got {self.top_k}")
+        check(self.max_length >= 2, f"max_length must be ≥ 2, got {self.max_length}")
+        for key in ("kl_coef", "reward_kl_coef", "clip_low", "clip_high"):
+            value = getattr(self, key)
+            check(value is None or value >= 0, f"{key} must be ≥ 0, got {value}")
         if not algo.dynamic_sampling:
             self.refuse(("dynamic_sampling_rounds",),
                         f"{self.algo}, which has no dynamic sampling")

@@ -8,6 +8,11 @@ loads. Nothing here is tuned for a machine: the speed machinery is ``posttrain.f
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import socket
+import struct
 from pathlib import Path
 
 import torch
@@ -27,8 +32,14 @@ def builtin_model_dir() -> Path:
     """The shipped default model (see ``posttrain.builtin.build``)."""
     return Path(__file__).parent.parent / "builtin" / "model"
 
+class ModelError(ValueError):
+    """A model, tokenizer or checkpoint that cannot be found or read, with its path."""
+
+
 def resolve(name: str) -> str:
-    """``"builtin"`` → the shipped model's directory; anything else is a path or a hub id."""
+    """``"builtin"`` → the shipped model's directory; an existing directory as it is; a name
+    that looks like a local path but does not exist is an error here (never sent to the hub);
+    anything else is a hub id, which must be in the local cache or the hub reachable."""
     if name == BUILTIN:
         path = builtin_model_dir()
         if not (path / "config.json").exists():
@@ -36,7 +47,83 @@ def resolve(name: str) -> str:
                 f"the built-in model is missing from {path}; rebuild it with "
                 "`python -m posttrain.builtin.build`")
         return str(path)
+    path = Path(name).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ModelError(f"model {name}: a file, not a model directory")
+        if not (path / "config.json").is_file():
+            raise ModelError(f"model {name}: no config.json, so not a Hugging Face model "
+                             "directory (a run's model is its final/ or checkpoint-<step>/)")
+        return str(path)
+    if _looks_local(name):
+        raise FileNotFoundError(f"model {name}: no such directory")
+    _check_hub(name)
     return name
+
+
+def _looks_local(name: str) -> bool:
+    """A path, not a hub id (``org/name`` or ``name`` of letters, digits, ``-_.``)."""
+    return (os.path.isabs(name) or name.startswith((".", "~")) or name.endswith("/")
+            or "\\" in name or re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name) is None)
+
+
+def _check_hub(name: str) -> None:
+    """Fail fast on a hub id that is neither cached nor reachable (instead of minutes of
+    retries)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        if isinstance(try_to_load_from_cache(name, "config.json"), str):
+            return
+    except Exception:  # an old huggingface_hub or a name it rejects: let transformers say
+        return
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false"):
+        raise ModelError(f"model {name!r}: no such local directory, and not in the Hugging "
+                         "Face cache (HF_HUB_OFFLINE is set)")
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=3).close()
+    except OSError:
+        raise ModelError(f"model {name!r}: no such local directory, not in the Hugging Face "
+                         "cache, and huggingface.co cannot be reached") from None
+
+
+def diagnose(path: str) -> str | None:
+    """Which file of a model directory is broken, and how, or None if none looks broken:
+    config and tokenizer JSON that does not parse, a safetensors file whose header does not
+    parse or whose size is not what its header says (a truncated download or copy)."""
+    root = Path(path)
+    if not root.is_dir():
+        return None
+    for f in sorted(root.glob("*.json")):
+        try:
+            json.loads(f.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            return f"{f}: not valid JSON ({e})"
+    for f in sorted(root.glob("*.safetensors")):
+        raw = f.open("rb")
+        with raw:
+            head = raw.read(8)
+            try:
+                n = struct.unpack("<Q", head)[0]
+                header = json.loads(raw.read(n))
+                end = max((v["data_offsets"][1] for k, v in header.items()
+                           if k != "__metadata__"), default=0)
+            except (struct.error, ValueError, KeyError, TypeError):
+                return f"{f}: not a safetensors file (unreadable header)"
+        if f.stat().st_size != 8 + n + end:
+            return (f"{f}: {f.stat().st_size} bytes where its header needs {8 + n + end} "
+                    "(truncated or corrupt)")
+    return None
+
+
+def _loaded(what: str, name: str, load):
+    """``load()``, with any failure reported as a :class:`ModelError` naming the file."""
+    try:
+        return load()
+    except Exception as e:  # transformers raises OSError, ValueError, safetensors errors...
+        detail = diagnose(name) or " ".join(str(e).split())[:300]
+        raise ModelError(f"{what} {name}: cannot be loaded: {detail}") from e
+
 
 def pick_device(device: str = "auto") -> torch.device:
     if device == "auto":
@@ -44,7 +131,9 @@ def pick_device(device: str = "auto") -> torch.device:
     return torch.device(device)
 
 def load_tokenizer(name: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
-    tok = AutoTokenizer.from_pretrained(resolve(name), trust_remote_code=trust_remote_code)
+    path = resolve(name)
+    tok = _loaded("tokenizer of", path, lambda: AutoTokenizer.from_pretrained(
+        path, trust_remote_code=trust_remote_code))
     if tok.pad_token is None:
         if tok.eos_token is None:
             raise ValueError(f"tokenizer of {name} has neither a pad nor an eos token")
@@ -53,16 +142,19 @@ def load_tokenizer(name: str, trust_remote_code: bool = False) -> PreTrainedToke
 
 def load_causal_lm(name: str, dtype: str = "float32", device: str = "auto",
                    trust_remote_code: bool = False) -> PreTrainedModel:
-    model = AutoModelForCausalLM.from_pretrained(
-        resolve(name), dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
+    path = resolve(name)
+    model = _loaded("model", path, lambda: AutoModelForCausalLM.from_pretrained(
+        path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code))
     return model.to(pick_device(device))
 
 def load_reward_model(name: str, tokenizer: PreTrainedTokenizerBase, dtype: str = "float32",
                       device: str = "auto", trust_remote_code: bool = False) -> PreTrainedModel:
     """A sequence-classification model with one output: a ``*ForSequenceClassification``
     checkpoint as it is, or a causal-LM checkpoint whose backbone gets a fresh scalar head."""
-    model = AutoModelForSequenceClassification.from_pretrained(
-        resolve(name), num_labels=1, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
+    path = resolve(name)
+    auto = AutoModelForSequenceClassification
+    model = _loaded("reward model", path, lambda: auto.from_pretrained(
+        path, num_labels=1, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code))
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     return model.to(pick_device(device))

@@ -79,12 +79,7 @@ class RLTrainer(Job):
         self.ref = None
         if self.algo.needs_reference:
             self.ref = loop.load_policy(cfg, cfg.model).eval().requires_grad_(False)
-        if cfg.data is None:
-            self.train_rows = builtin_task.rl_rows(cfg.builtin_train_size, "train", cfg.seed)
-            self.eval_rows = builtin_task.rl_rows(cfg.builtin_eval_size, "eval", cfg.seed)
-        else:
-            self.train_rows = data_mod.load(cfg.data, "rl")[1]
-            self.eval_rows = data_mod.load(cfg.eval_data, "rl")[1] if cfg.eval_data else []
+        self.train_rows, self.eval_rows = self._rows()
         self.rewards = parse_rewards(cfg.reward or "builtin", cfg.reward_weights, cfg.device)
         for term in self.rewards:  # reward models (rm:DIR) run the same forward speed-ups
             if isinstance(getattr(term.fn, "model", None), torch.nn.Module):
@@ -123,6 +118,22 @@ class RLTrainer(Job):
         self.experience.capture = self.reuse_rollout_forward
         self.packed = False
         """Whether the last batch's shared-prompt passes were packed into one call."""
+
+    def _rows(self) -> tuple[list[dict], list[dict]]:
+        """Training and held-out prompts, each checked against max_length."""
+        cfg = self.cfg
+        if cfg.data is None:
+            sets = [(data_mod.BUILTIN_SOURCE,
+                     builtin_task.rl_rows(cfg.builtin_train_size, "train", cfg.seed)),
+                    (data_mod.BUILTIN_SOURCE,
+                     builtin_task.rl_rows(cfg.builtin_eval_size, "eval", cfg.seed))]
+        else:
+            sets = [data_mod.load(cfg.data, "rl"),
+                    data_mod.load(cfg.eval_data, "rl") if cfg.eval_data else ("", [])]
+        for name, rows in sets:
+            data_mod.check_prompt_lengths(self.tok, name, rows, cfg.max_new_tokens,
+                                          cfg.max_length)
+        return sets[0][1], sets[1][1]
 
     def critic_source(self) -> str:
         """Where the critic starts: ``critic_model``; else the reward model when the reward is
