@@ -46,7 +46,7 @@ def main() -> int:
         data = work / f"{'clean' if flaw_rate == 0.0 else 'flawed'}.jsonl"
         data.write_text("".join(json.dumps(r) + "\n" for r in rows))
         out = work / data.stem
-        cfg = SFTConfig(data=str(data), output_dir=str(out), max_steps=args.steps,
+        cfg = SFTConfig(data=str(data), output_dir=str(out), overwrite=True, max_steps=args.steps,
                         save_every=args.every, lr=args.lr, lr_schedule="constant",
                         warmup_ratio=0.0, batch_size=SFT["batch_size"], log_every=100,
                         device="cpu", tensorboard=False)

@@ -43,7 +43,8 @@ def main() -> int:
 
     t0 = time.perf_counter()
     rm = config.load(RMConfig, None,
-                     [f"--output_dir={args.out}/rm", f"--max_steps={args.rm_steps}"])
+                     [f"--output_dir={args.out}/rm", f"--max_steps={args.rm_steps}",
+                      "--overwrite=true"])
     m = run_rm(rm)
     result["rm"] = {"eval_accuracy": m["eval/accuracy"], "eval_margin": m["eval/margin"],
                     "seconds": time.perf_counter() - t0}
@@ -51,7 +52,8 @@ def main() -> int:
     before = greedy_accuracy("builtin", args.n_eval)
     t0 = time.perf_counter()
     dpo = config.load(DPOConfig, None,
-                      [f"--output_dir={args.out}/dpo", f"--max_steps={args.dpo_steps}"])
+                      [f"--output_dir={args.out}/dpo", f"--max_steps={args.dpo_steps}",
+                       "--overwrite=true"])
     m = run_dpo(dpo)
     seconds = time.perf_counter() - t0
     after = greedy_accuracy(f"{args.out}/dpo/final", args.n_eval)

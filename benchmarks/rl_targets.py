@@ -28,7 +28,7 @@ def main() -> int:
     curves = {}
     for algo in args.algos:
         out = Path(args.out) / algo
-        cfg = RLConfig(algo=algo, output_dir=str(out), max_steps=args.steps,
+        cfg = RLConfig(algo=algo, output_dir=str(out), overwrite=True, max_steps=args.steps,
                        eval_every=args.eval_every, log_every=1, device="cpu",
                        tensorboard=False)
         cfg.validate()

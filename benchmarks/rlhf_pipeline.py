@@ -34,23 +34,24 @@ def main() -> int:
     args = p.parse_args()
     out = Path(args.out)
     seed = f"--seed={args.seed}"
+    again = "--overwrite=true"  # a rerun into the same --out replaces the earlier one
     times = {}
 
     t0 = time.perf_counter()
-    run_sft(config.load(SFTConfig, None, [f"--output_dir={out}/sft", seed,
+    run_sft(config.load(SFTConfig, None, [f"--output_dir={out}/sft", seed, again,
                                            "--tensorboard=false"]))
     times["sft"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     rm = run_rm(config.load(RMConfig, "configs/builtin/rm.yaml",
-                            [f"--model={out}/sft/final", f"--output_dir={out}/rm", seed,
+                            [f"--model={out}/sft/final", f"--output_dir={out}/rm", seed, again,
                              "--tensorboard=false"]))
     times["rm"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     run_rl(config.load(PPOConfig, "configs/builtin/ppo.yaml",
                        [f"--model={out}/sft/final", f"--reward=rm:{out}/rm/final",
-                        f"--output_dir={out}/ppo", seed, "--tensorboard=false",
+                        f"--output_dir={out}/ppo", seed, again, "--tensorboard=false",
                         "--log_every=1"]))
     times["ppo"] = time.perf_counter() - t0
 

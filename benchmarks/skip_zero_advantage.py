@@ -29,7 +29,8 @@ def main() -> int:
     for rep in range(args.repeats):
         for skip in ((True, False) if rep % 2 == 0 else (False, True)):
             out = work / f"{skip}-{rep}"
-            cfg = RLConfig(algo=args.algo, output_dir=str(out), max_steps=args.steps,
+            cfg = RLConfig(algo=args.algo, output_dir=str(out), overwrite=True,
+                           max_steps=args.steps,
                            eval_every=0, log_every=1, device="cpu", tensorboard=False,
                            skip_zero_advantage=skip)
             cfg.validate()

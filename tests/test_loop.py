@@ -148,11 +148,13 @@ def test_window_averages_each_value_over_the_steps_that_reported_it():
     assert w2.means() == m
 
 
-def test_a_checkpoint_of_another_format_is_refused_by_name(tmp_path):
-    from posttrain.trainers.loop import check_resumable
+def test_a_checkpoint_of_an_older_release_is_refused_by_name(tmp_path):
+    from posttrain.config import SFTConfig
+    from posttrain.trainers.rundir import resolve_resume
 
     old = tmp_path / "checkpoint-4"
     old.mkdir()
     (old / "trainer_state.json").write_text('{"step": 4, "kl_coef": 0.05}')
-    with pytest.raises(FileNotFoundError, match="checkpoint-4.*older release"):
-        check_resumable(str(old))
+    cfg = SFTConfig(resume_from=str(old), output_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="checkpoint-4 is incomplete.*older release"):
+        resolve_resume(cfg)

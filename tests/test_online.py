@@ -290,10 +290,14 @@ def test_compile_option(tiny_model_dir, tmp_path, monkeypatch):
 
 
 def test_fresh_run_moves_earlier_metrics_aside(tiny_model_dir, tmp_path, rl_files):
-    """A second fresh run into the same output_dir starts a new metrics.jsonl; the first
-    run's rows move to metrics.prev-1.jsonl instead of mixing with the new ones."""
-    for _ in range(2):
-        run_rl(_cfg(tiny_model_dir, tmp_path, "grpo", max_steps=1))
+    """A run into a directory that holds only an earlier run's metrics (a run that failed)
+    starts a new metrics.jsonl; the earlier rows move to metrics.prev-1.jsonl instead of
+    mixing with the new ones."""
+    import shutil
+
+    run_rl(_cfg(tiny_model_dir, tmp_path, "grpo", max_steps=1))
+    shutil.rmtree(tmp_path / "final")  # as if it had failed before the end
+    run_rl(_cfg(tiny_model_dir, tmp_path, "grpo", max_steps=1))
     new = (tmp_path / "metrics.jsonl").read_text().splitlines()
     old = (tmp_path / "metrics.prev-1.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in new] == [json.loads(x)["step"] for x in old]

@@ -87,12 +87,25 @@ def parse_rewards(spec: str, weights: str | None = None, device: str = "auto"
     """``"builtin,file.py:fmt"`` and ``"1.0,0.2"`` → reward terms."""
     terms = [load_reward(s, device) for s in spec.split(",") if s.strip()]
     if weights:
-        ws = [float(w) for w in weights.split(",")]
+        try:
+            ws = [float(w) for w in weights.split(",")]
+        except ValueError:
+            raise ValueError(f"reward_weights {weights!r}: expected numbers separated by "
+                             "commas") from None
+        if not all(math.isfinite(w) for w in ws):
+            raise ValueError(f"reward_weights {weights!r}: every weight must be finite")
         if len(ws) != len(terms):
             raise ValueError(f"{len(terms)} rewards but {len(ws)} weights")
         for t, w in zip(terms, ws, strict=True):
             t.weight = w
     return terms
+
+
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _excerpt(text: str, n: int = 60) -> str:
+    return repr(text if len(text) <= n else text[:n] + "...")
 
 
 def _call(term: RewardTerm, prompts, completions, columns, on_error: str):
@@ -109,8 +122,8 @@ def _call(term: RewardTerm, prompts, completions, columns, on_error: str):
             except Exception as e:
                 if on_error != "skip":
                     raise RewardError(f"reward {term.name!r} raised {type(e).__name__}: {e} "
-                                      f"on sample {i} (prompt {prompts[i]!r}, completion "
-                                      f"{completions[i]!r})") from e
+                                      f"on sample {i} (prompt {_excerpt(prompts[i])}, "
+                                      f"completion {_excerpt(completions[i])})") from e
                 values.append(float("nan"))
         if len(values) != n:
             raise RewardError(f"reward {term.name!r} raised {batch_error!r} on the batch"
@@ -124,9 +137,12 @@ def _call(term: RewardTerm, prompts, completions, columns, on_error: str):
             x = float(v)
         except (TypeError, ValueError):
             x = float("nan")
-        if not math.isfinite(x) and on_error != "skip":
-            raise RewardError(f"reward {term.name!r} returned {v!r} for sample {i} (prompt "
-                              f"{prompts[i]!r}, completion {completions[i]!r})")
+        if not math.isfinite(x) or abs(x) > FLOAT32_MAX:  # training reads it in float32
+            if on_error != "skip":
+                raise RewardError(f"reward {term.name!r} returned {v!r} for sample {i}, which "
+                                  f"is not a finite float32 number (prompt {_excerpt(prompts[i])},"
+                                  f" completion {_excerpt(completions[i])})")
+            x = float("nan")
         out.append(x)
     return torch.tensor(out, dtype=torch.float64)
 
@@ -138,6 +154,11 @@ def score(terms: list[RewardTerm], prompts: list[str], completions: list[str],
     and ``valid`` False."""
     per = {t.name: _call(t, prompts, completions, columns, on_error) for t in terms}
     total = sum(t.weight * per[t.name] for t in terms)
-    valid = torch.isfinite(total)
+    valid = torch.isfinite(total) & (total.abs() <= FLOAT32_MAX)
+    overflow = valid.logical_not() & torch.stack([v.isfinite() for v in per.values()]).all(0)
+    if overflow.any() and on_error != "skip":
+        i = int(overflow.nonzero()[0])
+        raise RewardError(f"the weighted reward of sample {i} is {float(total[i])}, not a finite "
+                          f"float32 number (prompt {_excerpt(prompts[i])})")
     total = torch.where(valid, total, torch.zeros_like(total)).float()
     return total, {k: v.float() for k, v in per.items()}, valid

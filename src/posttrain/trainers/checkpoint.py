@@ -6,6 +6,8 @@ complete, so a directory with that name is never half-written."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
 import random
@@ -16,9 +18,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 STATE = "trainer_state.json"
-FORMAT = 2
+FORMAT = 3
 """The checkpoint layout this module writes (1: the per-trainer checkpoints before the one
-run loop)."""
+run loop; 2: without a manifest)."""
 
 
 def save_optimizer(opt: torch.optim.Optimizer, path: Path) -> None:
@@ -90,3 +92,103 @@ def truncate_metrics(path: Path, step: int) -> int:
         kept.append(line)
     path.write_text("".join(line + "\n" for line in kept))
     return len(kept)
+
+
+# --- manifests: what makes a checkpoint complete -------------------------------------------------
+
+MANIFEST = "manifest.json"
+RESUMABLE_DIFFERENCES = frozenset({"max_steps", "resume_from", "output_dir", "overwrite",
+                                   "on_nonfinite"})
+"""Config keys a resumed run may change: how far to go, where to write, what to do on a
+non-finite value. Every other key must be the checkpoint's."""
+
+
+def run_config(cfg) -> dict:
+    """The part of ``cfg`` a checkpoint is bound to (see :data:`RESUMABLE_DIFFERENCES`)."""
+    return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RESUMABLE_DIFFERENCES}
+
+
+def config_hash(cfg) -> str:
+    return hashlib.sha256(json.dumps(run_config(cfg), sort_keys=True).encode()).hexdigest()
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_manifest(directory: Path, step: int, run_id: str, cfg) -> None:
+    """The last file of a checkpoint: step, run id, config (and its hash), and the size and
+    SHA-256 of every other file. A directory without it was never finished."""
+    files = {str(p.relative_to(directory)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(directory.rglob("*")) if p.is_file() and p.name != MANIFEST}
+    manifest = {"format": FORMAT, "step": step, "run_id": run_id,
+                "config_hash": config_hash(cfg), "config": run_config(cfg), "files": files}
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is incomplete, corrupt, or of another run or config."""
+
+
+def verify(directory: Path) -> dict:
+    """The manifest of a complete checkpoint whose every file matches it; otherwise a
+    :class:`CheckpointError` naming the file."""
+    path = directory / MANIFEST
+    if not path.is_file():
+        raise CheckpointError(f"{directory} is incomplete: no {MANIFEST} (a run stopped while "
+                              "writing it, or an older release wrote it); use another checkpoint")
+    try:
+        manifest = json.loads(path.read_text())
+        files = manifest["files"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise CheckpointError(f"{path}: not a readable manifest") from None
+    for name, want in files.items():
+        f = directory / name
+        if not f.is_file():
+            raise CheckpointError(f"{f}: missing from the checkpoint")
+        if f.stat().st_size != want["size"]:
+            raise CheckpointError(f"{f}: {f.stat().st_size} bytes, the manifest says "
+                                  f"{want['size']} (truncated or overwritten)")
+        if _sha256(f) != want["sha256"]:
+            raise CheckpointError(f"{f}: its checksum differs from the manifest's (corrupt or "
+                                  "overwritten)")
+    return manifest
+
+
+def latest_complete(output_dir: Path) -> Path | None:
+    """The checkpoint-<step>/ of ``output_dir`` with the highest step that verifies."""
+    steps = sorted((int(p.name.split("-", 1)[1]), p) for p in output_dir.glob("checkpoint-*")
+                   if p.is_dir() and p.name.split("-", 1)[1].isdigit())
+    for _, p in reversed(steps):
+        try:
+            verify(p)
+            return p
+        except CheckpointError:
+            continue
+    return None
+
+
+def check_resume(directory: Path, manifest: dict, cfg) -> None:
+    """Refuse a resume whose config differs from the checkpoint's (naming the keys) or whose
+    max_steps leaves nothing to do."""
+    old, new = manifest.get("config", {}), run_config(cfg)
+    changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    if changed:
+        listed = ", ".join(f"{k} ({old.get(k)!r} -> {new.get(k)!r})" for k in changed[:6])
+        raise CheckpointError(f"resume_from={directory}: the config differs from the "
+                              f"checkpoint's in {listed}; only max_steps may change")
+    if cfg.max_steps and cfg.max_steps <= manifest["step"]:
+        raise CheckpointError(f"resume_from={directory}: max_steps {cfg.max_steps} is not past "
+                              f"the checkpoint's step {manifest['step']}; nothing to do")
+
+
+def clean_partial(output_dir: Path) -> list[Path]:
+    """Remove the temporary directories of writes that never finished; returns them."""
+    left = [p for p in output_dir.glob("*.tmp") if p.is_dir()]
+    for p in left:
+        shutil.rmtree(p)
+    return left

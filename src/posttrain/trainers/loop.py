@@ -18,8 +18,11 @@ from __future__ import annotations
 import json
 import math
 import random
+import signal
 import sys
+import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,9 +31,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from safetensors.torch import load_file, save_file
 
-from posttrain import config as config_mod
 from posttrain import fast
 from posttrain.trainers import checkpoint as ckpt
+from posttrain.trainers import rundir
 
 console = Console(stderr=True)
 
@@ -61,13 +64,20 @@ def adamw(params, lr: float, weight_decay: float) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
 
 
+class NonFiniteError(RuntimeError):
+    """A NaN or inf where training needs a finite number."""
+
+
 class Optim:
     """AdamW over a model's trainable parameters, with its peak learning rate (the loop
     sets the scheduled rate before each step) and the run's gradient clipping."""
 
     def __init__(self, name: str, model: torch.nn.Module, lr: float, weight_decay: float,
-                 max_grad_norm: float):
+                 max_grad_norm: float, on_nonfinite: str = "raise"):
         self.name, self.peak_lr, self.max_grad_norm = name, lr, max_grad_norm
+        self.on_nonfinite = on_nonfinite
+        self.skipped = 0
+        """Optimiser steps left out because the gradient norm was not finite."""
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.opt = adamw(self.params, lr, weight_decay)
 
@@ -78,16 +88,26 @@ class Optim:
 
     def step(self) -> float:
         """Clip (when max_grad_norm > 0), step, zero the gradients; the gradient norm before
-        clipping."""
+        clipping. A norm that is not finite raises :class:`NonFiniteError`, or with
+        ``on_nonfinite="skip"`` leaves the step out (counted in ``skipped``)."""
         if self.max_grad_norm > 0:
             norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
         else:  # the norm only (torch < 2.6 has no get_total_norm: clip at infinity)
             total = getattr(torch.nn.utils, "get_total_norm", None)
             norm = (total([p.grad for p in self.params if p.grad is not None]) if total
                     else torch.nn.utils.clip_grad_norm_(self.params, float("inf")))
+        norm = float(norm)
+        if not math.isfinite(norm):
+            self.opt.zero_grad(set_to_none=True)
+            if self.on_nonfinite == "raise":
+                raise NonFiniteError(f"the gradient norm of the {self.name} is {norm}; stopped "
+                                     "before the update (lower --lr, check the data and "
+                                     "rewards, or pass --on_nonfinite skip)")
+            self.skipped += 1
+            return norm
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return float(norm)
+        return norm
 
 
 @dataclass
@@ -121,6 +141,10 @@ class Job:
         """The models as Hugging Face directories under ``path``."""
         raise NotImplementedError
 
+    def models(self) -> dict[str, torch.nn.Module]:
+        """The trained models by name (their weights are checked before every save)."""
+        raise NotImplementedError
+
     def state(self) -> tuple[dict, dict[str, torch.Tensor]]:
         """The job's own resumable state: JSON-able values and tensors."""
         return {}, {}
@@ -148,7 +172,10 @@ class MetricsWriter:
                 pass
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
-        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+        """One row of strict JSON: a value that is not a finite number is written as null."""
+        clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v
+                 for k, v in metrics.items()}
+        self.file.write(json.dumps({"step": step, **clean}, allow_nan=False) + "\n")
         self.file.flush()
         if self.tb is not None:
             for k, v in metrics.items():
@@ -160,26 +187,22 @@ class MetricsWriter:
             self.tb.close()
 
 
-def prepare_output(cfg, output_dir: Path) -> None:
-    """Create ``output_dir`` and write the resolved ``config.yaml``. A fresh run into a
-    directory that already has a ``metrics.jsonl`` moves it aside to
-    ``metrics.prev-<n>.jsonl`` (nothing is lost, and the two runs' rows never mix)."""
-    output_dir.mkdir(parents=True, exist_ok=True)
-    metrics = output_dir / "metrics.jsonl"
-    if not cfg.resume_from and metrics.exists() and metrics.stat().st_size:
-        n = 1
-        while (output_dir / f"metrics.prev-{n}.jsonl").exists():
-            n += 1
-        metrics.rename(output_dir / f"metrics.prev-{n}.jsonl")
-        print(f"{metrics} held an earlier run's metrics: moved to metrics.prev-{n}.jsonl",
-              flush=True)
-    config_mod.dump(cfg, output_dir / "config.yaml")
-
-
-def start_run(cfg) -> None:
-    """What every run does before it builds its models: the process settings and seeds."""
+def start_run(cfg) -> Path | None:
+    """What every run does before it loads a model: the process settings, the seeds, the
+    output directory checked (:mod:`.rundir`) and the checkpoint to resume from verified;
+    returns that checkpoint (or None)."""
     fast.prepare_process(cfg)
     seed_everything(cfg.seed)
+    rundir.check_output_dir(cfg)
+    return rundir.resolve_resume(cfg)
+
+
+def check_finite_weights(job: Job, step: int) -> None:
+    """Refuse to save weights that hold NaN or inf."""
+    for name, model in job.models().items():
+        if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+            raise NonFiniteError(f"step {step}: the {name}'s weights hold NaN or inf; nothing "
+                                 "was saved")
 
 
 class Window:
@@ -214,8 +237,12 @@ class Window:
         self.values, self.counts = s["values"], s["counts"]
 
 
-def save_checkpoint(path: Path, job: Job, step: int, window: Window) -> None:
-    """Everything a resume needs, written atomically (see :mod:`.checkpoint`)."""
+def save_checkpoint(path: Path, job: Job, step: int, window: Window, run_id: str,
+                    cfg) -> None:
+    """Everything a resume needs, written atomically with its manifest last (see
+    :mod:`.checkpoint`)."""
+    check_finite_weights(job, step)
+
     def write(tmp: Path) -> None:
         job.save(tmp)
         for o in job.optimizers:
@@ -228,6 +255,7 @@ def save_checkpoint(path: Path, job: Job, step: int, window: Window) -> None:
         (tmp / ckpt.STATE).write_text(json.dumps(
             {"format": ckpt.FORMAT, "step": step, "rng": rng_meta, "job": meta,
              "window": window.state()}))
+        ckpt.write_manifest(tmp, step, run_id, cfg)
     ckpt.write_atomically(path, write)
 
 
@@ -254,29 +282,67 @@ def load_policy(cfg, name: str):
                               cfg.fast)
 
 
-def check_resumable(path: str | None) -> Path | None:
-    """The checkpoint directory ``resume_from`` names, checked before any model loads."""
-    if not path:
-        return None
-    p = Path(path)
-    if not (p / ckpt.STATE).exists():
-        raise FileNotFoundError(f"resume_from={p}: not a checkpoint directory (no {ckpt.STATE})")
-    fmt = json.loads((p / ckpt.STATE).read_text()).get("format")
-    if fmt != ckpt.FORMAT:
-        raise FileNotFoundError(f"resume_from={p}: a checkpoint of format {fmt}, written by an "
-                                f"older release (this one reads format {ckpt.FORMAT})")
-    return p
+class StopSignals:
+    """SIGINT and SIGTERM ask the run to stop after the current step (a second one stops it
+    at once); inside the block only, and only in the main thread."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.received: int | None = None
+        self._old: dict = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is not None:
+            raise KeyboardInterrupt
+        self.received = signum
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            self._old = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._old.items():
+            signal.signal(s, handler)
+
+
+def _log_row(cfg, job: Job, writer: MetricsWriter, window: Window, step: int, total: int,
+             lr: float, t_start: float) -> dict[str, float]:
+    """The row of ``step`` (the window's means on a log step, an evaluation on an eval step),
+    written; the window is reset by the caller."""
+    row: dict[str, float] = {}
+    if step % cfg.log_every == 0 or step == total:
+        row.update(window.means())
+        row.update({"train/lr": lr, "time/elapsed_s": time.perf_counter() - t_start})
+        skipped = sum(o.skipped for o in job.optimizers)
+        if skipped:
+            row["optim/nonfinite_skipped"] = skipped
+    if cfg.eval_every and step % cfg.eval_every == 0 and step != total:
+        row.update(job.evaluate())
+    if row:
+        writer.write(step, row)
+    return row
+
+
+def _check_step(result: StepResult, step: int) -> None:
+    loss = {**result.values, **{k: v / max(result.units, 1) for k, v in result.sums.items()}}
+    for key in ("train/loss", "train/grad_norm"):
+        if key in loss and not math.isfinite(loss[key]):
+            raise NonFiniteError(f"step {step}: {key} is {loss[key]}; stopped before saving "
+                                 "(lower --lr, check the data and rewards, or pass "
+                                 "--on_nonfinite skip)")
 
 
 def run(cfg, job: Job, total_steps: int) -> dict[str, float]:
     """Run ``job`` for ``total_steps`` steps (see the module docstring); returns the last
     value of every metric logged."""
-    out = Path(cfg.output_dir or f"runs/{cfg.run_name}")
-    prepare_output(cfg, out)
+    out = rundir.prepare_output(cfg)
     window = Window()
-    step0 = 0
+    step0, run_id = 0, uuid.uuid4().hex
     if cfg.resume_from:
         step0 = load_checkpoint(Path(cfg.resume_from), job, window)
+        run_id = json.loads((Path(cfg.resume_from) / ckpt.MANIFEST).read_text())["run_id"]
         ckpt.truncate_metrics(out / "metrics.jsonl", step0)
         print(f"[{job.name}] resumed from {cfg.resume_from} at step {step0}", flush=True)
     writer = MetricsWriter(out, cfg.tensorboard)
@@ -296,25 +362,23 @@ def run(cfg, job: Job, total_steps: int) -> dict[str, float]:
             if start:
                 writer.write(0, start)
                 print(json.dumps({"step": 0, **start}), flush=True)
-        with progress:
+        with progress, StopSignals() as stop:
             task = progress.add_task(job.name, total=total_steps, completed=step0, info="")
             for step in range(step0 + 1, total_steps + 1):
                 t0 = time.perf_counter()
                 lrs = [o.set_lr(schedule(step - 1)) for o in job.optimizers]
-                result = job.step(step)
+                try:
+                    result = job.step(step)
+                except NonFiniteError as e:
+                    raise NonFiniteError(f"step {step}: {e}") from None
+                if cfg.on_nonfinite == "raise":
+                    _check_step(result, step)
                 window.add(result, time.perf_counter() - t0)
-                row: dict[str, float] = {}
+                row = _log_row(cfg, job, writer, window, step, total_steps,
+                               lrs[0] if lrs else 0.0, t_start)
+                last.update(row)
                 if step % cfg.log_every == 0 or step == total_steps:
-                    row.update(window.means())
-                    row.update({"train/lr": lrs[0] if lrs else 0.0,
-                                "time/elapsed_s": time.perf_counter() - t_start})
                     window = Window()
-                if cfg.eval_every and step % cfg.eval_every == 0 and step != total_steps:
-                    row.update(job.evaluate())
-                if row:
-                    writer.write(step, row)
-                    last.update(row)
-                if step % cfg.log_every == 0 or step == total_steps:
                     info = "  ".join(f"{label} {row[key]:.3f}"
                                      for label, key in job.progress_keys if key in row)
                     progress.update(task, info=info)
@@ -322,13 +386,17 @@ def run(cfg, job: Job, total_steps: int) -> dict[str, float]:
                         print(f"[{job.name}] step {step}/{total_steps}  {info}", file=sys.stderr,
                               flush=True)
                 progress.advance(task)
+                if stop.received is not None and step != total_steps:
+                    _stop(cfg, job, out, step, window, run_id, stop.received)
                 if cfg.save_every and step % cfg.save_every == 0 and step != total_steps:
-                    save_checkpoint(out / f"checkpoint-{step}", job, step, window)
+                    save_checkpoint(out / f"checkpoint-{step}", job, step, window, run_id, cfg)
         final = job.evaluate()
         if final:
             writer.write(total_steps, final)
             last.update(final)
-        ckpt.write_atomically(out / "final", job.save)
+        check_finite_weights(job, total_steps)
+        ckpt.write_atomically(out / "final", lambda tmp: (
+            job.save(tmp), ckpt.write_manifest(tmp, total_steps, run_id, cfg)))
     finally:
         writer.close()
         job.close()
@@ -337,3 +405,14 @@ def run(cfg, job: Job, total_steps: int) -> dict[str, float]:
                                                   if k.startswith("eval/")}, **final}),
               flush=True)
     return last
+
+
+def _stop(cfg, job: Job, out: Path, step: int, window: Window, run_id: str, signum: int):
+    """A checkpoint of ``step``, one line with the resume command, exit 128 + signal."""
+    path = out / f"checkpoint-{step}"
+    save_checkpoint(path, job, step, window, run_id, cfg)
+    name = signal.Signals(signum).name
+    print(f"[{job.name}] {name}: stopped after step {step}, checkpoint {path}; resume with: "
+          f"posttrain {cfg.COMMAND} --config {out / 'config.yaml'} --resume_from {path}",
+          file=sys.stderr, flush=True)
+    raise SystemExit(128 + signum)

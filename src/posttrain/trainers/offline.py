@@ -97,7 +97,8 @@ class OfflineJob(Job):
         self.device = next(model.parameters()).device
         self.name = cfg.COMMAND
         self.stream = ExampleStream(len(train_examples), cfg.seed)
-        self.optimizers = [Optim("model", model, cfg.lr, cfg.weight_decay, cfg.max_grad_norm)]
+        self.optimizers = [Optim("model", model, cfg.lr, cfg.weight_decay, cfg.max_grad_norm,
+                                 cfg.on_nonfinite)]
 
     # --- what a subclass provides ------------------------------------------------------------
     def collate(self, examples: list) -> dict:
@@ -155,6 +156,9 @@ class OfflineJob(Job):
 
     def save(self, path: Path) -> None:
         save_model(self.model, self.tokenizer, path)
+
+    def models(self):
+        return {"model": self.model}
 
     def state(self):
         return {"drawn": self.stream.drawn}, {}
@@ -283,8 +287,7 @@ def _encode(cfg, tokenizer, kind):
 def _start(cfg, kind: str):
     """Process settings, seeds, the resume directory checked, the tokenizer and the data;
     and where the trained model loads from (the checkpoint when resuming)."""
-    loop.start_run(cfg)
-    resume = loop.check_resumable(cfg.resume_from)
+    resume = loop.start_run(cfg)
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
     train_ex, eval_ex = _encode(cfg, tokenizer, kind)
     return tokenizer, train_ex, eval_ex, str(resume or cfg.model)

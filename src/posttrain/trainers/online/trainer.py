@@ -70,8 +70,7 @@ class RLTrainer(Job):
         self.cfg = cfg
         self.name = cfg.algo
         self.algo = cfg.algorithm()
-        loop.start_run(cfg)
-        resume = loop.check_resumable(cfg.resume_from)
+        resume = loop.start_run(cfg)
         self.tok = load_tokenizer(cfg.model, cfg.trust_remote_code)
         self.policy = loop.load_policy(cfg, str(resume or cfg.model))
         self.device = next(self.policy.parameters()).device
@@ -104,11 +103,12 @@ class RLTrainer(Job):
                                           self.train_rows, self.gen)
         self.compiled = compile_models(cfg, [self.policy, self.ref, self.critic], self.device)
         self.optimizers = [Optim("policy", self.policy, cfg.lr, cfg.weight_decay,
-                                 cfg.max_grad_norm)]
+                                 cfg.max_grad_norm, cfg.on_nonfinite)]
         track_policy_version(self.policy, self.optimizers[0].opt)
         if self.critic is not None:
             self.optimizers.append(Optim("critic", self.critic, cfg.critic_lr,
-                                         cfg.weight_decay, cfg.max_grad_norm))
+                                         cfg.weight_decay, cfg.max_grad_norm,
+                                         cfg.on_nonfinite))
         self.step_num = 0
         # replay of the sampler's projections: the shared-prompt two-call layout, an engine
         # that captures, a policy it can replay, no compile
@@ -160,6 +160,9 @@ class RLTrainer(Job):
                 if self.algo.reward_kl_coef else self.algo)
         # 1. experience
         exp = self.experience.collect()
+        if not exp.valid.any():
+            log.warning("step %d: every sample's reward failed (on_reward_error=skip): the "
+                        "step learns nothing", step)
         t0 = time.perf_counter()
         tokens = TokenBatch(exp.rollout, self.tok.pad_token_id, self.device, self.share_prompt)
         valid = exp.valid.to(self.device)
@@ -246,6 +249,9 @@ class RLTrainer(Job):
         save_model(self.policy, self.tok, path)
         if self.critic is not None:
             save_model(self.critic, self.tok, path / "critic")
+
+    def models(self):
+        return {"policy": self.policy, **({"critic": self.critic} if self.critic else {})}
 
     def state(self):
         meta = {"kl_coef": self.kl_ctl.value,
