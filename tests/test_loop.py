@@ -156,5 +156,83 @@ def test_a_checkpoint_of_an_older_release_is_refused_by_name(tmp_path):
     old.mkdir()
     (old / "trainer_state.json").write_text('{"step": 4, "kl_coef": 0.05}')
     cfg = SFTConfig(resume_from=str(old), output_dir=str(tmp_path))
-    with pytest.raises(ValueError, match="checkpoint-4 is incomplete.*older release"):
+    with pytest.raises(ValueError, match=r"checkpoint-4 is incomplete.*older release"):
         resolve_resume(cfg)
+
+
+KILLER = """
+import os, signal, sys
+from posttrain.trainers import checkpoint as ck
+point, args = sys.argv[1], sys.argv[2:]
+
+def dies(orig):
+    def f(*a, **k):
+        if any("checkpoint-4" in str(x) for x in a):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return orig(*a, **k)
+    return f
+
+if point == "optimizer":   # the model files are written, the optimiser's are not
+    ck.save_optimizer = dies(ck.save_optimizer)
+elif point == "manifest":  # every file but the manifest
+    ck.write_manifest = dies(ck.write_manifest)
+else:                      # everything, before the rename
+    ck.os.replace = dies(ck.os.replace)
+from posttrain.cli import main
+sys.exit(main(args))
+"""
+
+
+@pytest.mark.parametrize("point", ["optimizer", "manifest", "rename"])
+def test_sigkill_during_a_checkpoint_write_resumes_from_a_complete_one(point, tiny_model_dir,
+                                                                       tmp_path):
+    """Killed while writing checkpoint-4 (after the model, before the manifest, before the
+    rename): the half-written directory is never taken; resuming the run directory starts
+    from checkpoint-2, cleans the leftover and ends where an uninterrupted run ends."""
+    args = ["sft", "--model", tiny_model_dir, "--batch_size", "4", "--builtin_train_size",
+            "32", "--builtin_eval_size", "4", "--device", "cpu", "--tensorboard", "false",
+            "--save_every", "2", "--max_steps", "6", "--lr_schedule", "constant"]
+    whole = tmp_path / "whole"
+    assert _cli([*args, "--output_dir", str(whole)]) == 0
+    run = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", KILLER, point, *args, "--output_dir",
+                           str(run)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert not (run / "checkpoint-4").exists() and (run / "checkpoint-2").exists()
+    assert _cli([*args, "--output_dir", str(run), "--resume_from", str(run)]) == 0
+    assert not list(run.glob("*.tmp"))
+    a, b = _weights(whole / "final"), _weights(run / "final")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_sigint_and_sigterm_checkpoint_and_print_the_resume_command(sig, code, tiny_model_dir,
+                                                                    tmp_path):
+    out = tmp_path / "run"
+    args = ["sft", "--model", tiny_model_dir, "--batch_size", "4", "--builtin_train_size",
+            "32", "--builtin_eval_size", "4", "--device", "cpu", "--tensorboard", "false",
+            "--max_steps", "100000", "--log_every", "1", "--lr_schedule", "constant",
+            "--output_dir", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "posttrain", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    metrics = out / "metrics.jsonl"
+    while time.monotonic() < deadline and proc.poll() is None and not (
+            metrics.exists() and metrics.read_text().count("\n") >= 3):
+        time.sleep(0.01)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == code, err[-2000:]
+    assert "Traceback" not in err
+    said = [x for x in err.splitlines() if "resume with:" in x]
+    assert len(said) == 1, err[-2000:]
+    command = said[0].split("resume with: ", 1)[1].split()
+    assert command[:2] == ["posttrain", "sft"]
+    ckpt_dir = Path(command[command.index("--resume_from") + 1])
+    step = int(ckpt_dir.name.split("-")[1])
+    ckpt.verify(ckpt_dir)
+    # the printed command resumes (here up to two more steps)
+    assert _cli([*command[1:], "--max_steps", str(step + 2)]) == 0
+    assert (out / "final" / "manifest.json").is_file()

@@ -105,6 +105,8 @@ def diagnose(path: str) -> str | None:
             head = raw.read(8)
             try:
                 n = struct.unpack("<Q", head)[0]
+                if n > f.stat().st_size - 8:
+                    raise ValueError
                 header = json.loads(raw.read(n))
                 end = max((v["data_offsets"][1] for k, v in header.items()
                            if k != "__metadata__"), default=0)
