@@ -95,12 +95,13 @@ def test_eval_arguments(capsys):
 
 def test_data_files(tmp_path, capsys, rl_data):
     raw = tmp_path / "latin1.jsonl"
-    raw.write_bytes(b'{"prompt": "a", "completion": "b"}\n{"prompt": "caf\xe9", "completion": "x"}\n')
+    raw.write_bytes(b'{"prompt": "a", "completion": "b"}\n'
+                    b'{"prompt": "caf\xe9", "completion": "x"}\n')
     fails(["sft", "--data", str(raw), *QUICK], capsys, str(raw), "row 2", "UTF-8")
     nan = tmp_path / "pairs.jsonl"
     nan.write_text('{"prompt": "1+1=", "chosen": "2", "rejected": "3", "margin": NaN}\n')
     fails(["rm", "--data", str(nan), *QUICK], capsys, "row 1", "margin", "finite")
-    reward, data = rl_data
+    reward, _ = rl_data
     long = tmp_path / "long.jsonl"
     long.write_text(json.dumps({"prompt": "9" * 300}) + "\n")
     fails(["grpo", "--data", str(long), "--reward", f"{reward}:ok", "--max_length", "64", *RL,
