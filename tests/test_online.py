@@ -302,3 +302,38 @@ def test_fresh_run_moves_earlier_metrics_aside(tiny_model_dir, tmp_path, rl_file
     old = (tmp_path / "metrics.prev-1.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in new] == [json.loads(x)["step"] for x in old]
     assert [json.loads(x)["step"] for x in new].count(0) == 1
+
+
+@pytest.mark.parametrize("backend", ["lean", "hf"])
+def test_log_probs_at_the_sampling_temperature_match_the_sampler(backend, tmp_path):
+    """At temperature 0.7 the trainer's log-probs (update, old and reference passes all
+    divide by it) equal the sampler's recorded ones to float32 rounding, in both layouts;
+    each step logs the gap. Without the division they would differ by far more."""
+    from bounds import model_inner, model_stages, rel_bound
+    from rl_steps import rl_step
+
+    from posttrain.trainers.online import TokenBatch
+
+    cfg = RLConfig(output_dir=str(tmp_path), max_steps=1, prompts_per_step=4, group_size=4,
+                   max_new_tokens=6, temperature=0.7, rollout_backend=backend,
+                   builtin_train_size=16, builtin_eval_size=0, device="cpu",
+                   tensorboard=False, kl_coef=0.0)
+    cfg.validate()
+    trainer = RLTrainer(cfg)
+    exp = trainer.experience.collect()
+    mask = exp.rollout.completion_mask.bool()
+    sampled = exp.rollout.logprobs[mask].double()
+    bound = 2 * rel_bound(model_stages(trainer.policy.config, backward=False),
+                          model_inner(trainer.policy.config, 32))
+    rows = torch.arange(len(mask))
+    for share in (True, False):
+        tokens = TokenBatch(exp.rollout, trainer.tok.pad_token_id, "cpu", share, 0.7)
+        with torch.no_grad():
+            lp = tokens.logprobs(trainer.policy, rows)[mask].double()
+            plain = TokenBatch(exp.rollout, trainer.tok.pad_token_id, "cpu", share, 1.0
+                               ).logprobs(trainer.policy, rows)[mask].double()
+        assert float((lp - sampled).norm() / sampled.norm()) <= bound
+        assert float((plain - sampled).norm() / sampled.norm()) > 100 * bound
+    record = rl_step(trainer)  # max |Δ| ≤ ||Δ|| ≤ bound · ||log-probs|| (same policy, new draw)
+    assert 0 <= record["sampling/logprob_gap_max"] <= 2 * bound * float(sampled.norm())
+    assert record["sampling/logprob_gap_frac_gt_0.1"] == 0.0

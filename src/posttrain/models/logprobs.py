@@ -56,14 +56,15 @@ def scatter_logprobs(logits: torch.Tensor, labels: torch.Tensor, target: torch.T
 
 def completion_logprobs(model: PreTrainedModel, input_ids: torch.Tensor,
                         attention_mask: torch.Tensor, loss_mask: torch.Tensor,
-                        with_entropy: bool = False):
+                        with_entropy: bool = False, temperature: float = 1.0):
     """Log-probabilities of the tokens marked by ``loss_mask``, ``(B, T-1)``.
 
     ``input_ids``, ``attention_mask``, ``loss_mask`` are ``(B, T)``; entry ``t`` of the result
     is ``log π(input_ids[t+1] | input_ids[≤t])`` where ``loss_mask[t+1]`` is set, else 0. The
     LM head runs only at those positions: prompt and padding positions never become logits.
     With ``with_entropy`` it also returns the policy's entropy at the same positions
-    ``(B, T-1)``, computed without gradient from the same logits (a metric).
+    ``(B, T-1)``, computed without gradient from the same logits (a metric). ``temperature``
+    divides the logits first: the distribution a sampler at that temperature draws from.
     """
     target = loss_mask[:, 1:].bool()  # (B, T-1)
     labels = input_ids[:, 1:][target]  # (N,)
@@ -73,7 +74,12 @@ def completion_logprobs(model: PreTrainedModel, input_ids: torch.Tensor,
     else:
         logits = model(input_ids=input_ids, attention_mask=attention_mask,
                        use_cache=False).logits[:, :-1][target]
-    return scatter_logprobs(logits, labels, target, with_entropy)
+    return scatter_logprobs(tempered(logits, temperature), labels, target, with_entropy)
+
+
+def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``logits / temperature`` (the logits themselves at 1)."""
+    return logits if temperature == 1.0 else logits / temperature
 
 def completion_hidden(model: PreTrainedModel, input_ids: torch.Tensor,
                       attention_mask: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from posttrain.models.loading import active_parameters, backbone
-from posttrain.models.logprobs import has_plain_head, head_logits, scatter_logprobs
+from posttrain.models.logprobs import has_plain_head, head_logits, scatter_logprobs, tempered
 
 
 @functools.cache
@@ -35,7 +35,8 @@ def shared_prompt_logprobs(model: PreTrainedModel, prompt_ids: torch.Tensor,
                            completion_mask: torch.Tensor,
                            prompt_index: torch.Tensor | None = None,
                            with_entropy: bool = False, packed: bool | None = None,
-                           replay: contextlib.AbstractContextManager | None = None):
+                           replay: contextlib.AbstractContextManager | None = None,
+                           temperature: float = 1.0):
     """Log-probabilities of ``k`` completions per prompt with the prompt run once.
 
     ``prompt_ids``/``prompt_mask`` are ``(B, Lp)``, *left*-padded; ``completion_ids``/
@@ -67,7 +68,7 @@ def shared_prompt_logprobs(model: PreTrainedModel, prompt_ids: torch.Tensor,
         raise ValueError("shared_prompt_logprobs needs a model with output embeddings")
     hidden = shared_prompt_hidden(model, prompt_ids, prompt_mask, completion_ids,
                                   completion_mask, prompt_index, packed, replay)
-    logits = head_logits(model, hidden)  # (N, V)
+    logits = tempered(head_logits(model, hidden), temperature)  # (N, V)
     target = completion_mask.bool()
     return scatter_logprobs(logits, completion_ids[target], target, with_entropy)
 

@@ -33,7 +33,12 @@ class TokenBatch:
     change of the policy releases them (``last_replay``).
     """
 
-    def __init__(self, rollout: Rollout, pad_id: int, device, share_prompt: bool):
+    def __init__(self, rollout: Rollout, pad_id: int, device, share_prompt: bool,
+                 temperature: float = 1.0):
+        self.temperature = temperature
+        """Every log-prob pass divides the logits by the sampling temperature, so the update,
+        old and reference log-probs are of the distribution that sampled (top-k / top-p
+        truncation is not applied: the sampler's log-probs include it)."""
         self.share = share_prompt
         self.activations = rollout.activations if share_prompt else None
         rollout.activations = None
@@ -95,10 +100,12 @@ class TokenBatch:
                     self.activations = None
                 kw["replay"] = saved.rows(rows).replay(model, self.completion_ids.shape[1])
                 del saved
-            return shared_prompt_logprobs(model, *args, with_entropy=with_entropy, **kw)
+            return shared_prompt_logprobs(model, *args, with_entropy=with_entropy,
+                                          temperature=self.temperature, **kw)
         out = completion_logprobs(model, self.full["input_ids"][rows],
                                   self.full["attention_mask"][rows],
-                                  self.full["loss_mask"][rows], with_entropy=with_entropy)
+                                  self.full["loss_mask"][rows], with_entropy=with_entropy,
+                                  temperature=self.temperature)
         outs = out if with_entropy else (out,)
         # completion token j of a row sits at sequence position len(prompt) + j, so its
         # log-prob is column len(prompt) + j - 1 of the (T - 1) layout

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from posttrain.core import (
     explained_variance,
     groups_with_signal,
@@ -9,6 +11,21 @@ from posttrain.core import (
     masked_mean,
     masked_sum,
 )
+
+
+def logprob_gap(recomputed: torch.Tensor, sampled: torch.Tensor, mask: torch.Tensor
+                ) -> dict[str, float]:
+    """How far the trainer's log-probs at the sampling weights are from the sampler's own,
+    over the tokens of ``mask`` ``(N, Lc)``: mean and max ``|Δ|`` and the share above 0.1.
+    Float rounding alone (another kernel, an incremental forward) keeps them near 1e-6; a
+    different distribution (top-k / top-p truncation, a temperature not applied) shows."""
+    m = mask.bool()
+    if not m.any():
+        return {}
+    gap = (recomputed.float() - sampled.to(recomputed.device).float()).abs()[m]
+    return {"sampling/logprob_gap_mean": float(gap.mean()),
+            "sampling/logprob_gap_max": float(gap.max()),
+            "sampling/logprob_gap_frac_gt_0.1": float((gap > 0.1).float().mean())}
 
 
 def step_metrics(cfg, algo, exp, tokens, scores, mask, valid, old, ref, old_values, returns,

@@ -53,7 +53,7 @@ from posttrain.trainers import loop
 from posttrain.trainers.loop import Job, Optim, StepResult
 from posttrain.trainers.online.batch import TokenBatch
 from posttrain.trainers.online.experience import ExperienceMaker
-from posttrain.trainers.online.metrics import step_metrics
+from posttrain.trainers.online.metrics import logprob_gap, step_metrics
 from posttrain.trainers.online.update import UpdateInputs, run_updates
 
 log = logging.getLogger(__name__)
@@ -164,7 +164,8 @@ class RLTrainer(Job):
             log.warning("step %d: every sample's reward failed (on_reward_error=skip): the "
                         "step learns nothing", step)
         t0 = time.perf_counter()
-        tokens = TokenBatch(exp.rollout, self.tok.pad_token_id, self.device, self.share_prompt)
+        tokens = TokenBatch(exp.rollout, self.tok.pad_token_id, self.device, self.share_prompt,
+                            cfg.temperature)
         valid = exp.valid.to(self.device)
         mask = tokens.completion_mask.float() * valid[:, None]
         # 2. passes: old log-probs, reference log-probs, old values
@@ -179,7 +180,9 @@ class RLTrainer(Job):
         live = ((adv != 0).any(-1) if skip else mask.any(-1)) & valid
         # 4. update (the policy waits while the critic warms up)
         train_policy = step > getattr(cfg, "critic_warmup_steps", 0)
-        x = UpdateInputs(mask, adv, old, ref, old_values, returns, live, live)
+        recorded = None if old is not None else (torch.zeros_like(mask),
+                                                 torch.zeros_like(valid))
+        x = UpdateInputs(mask, adv, old, ref, old_values, returns, live, live, recorded)
         critic_opt = self.optimizers[1] if self.critic is not None else None
         sums, n_steps, n_critic = run_updates(
             self.policy, self.critic, algo, tokens, x,
@@ -195,6 +198,11 @@ class RLTrainer(Job):
                  "passes": t_passes - t0, "update": t_update - t_passes}
         record, kl = step_metrics(cfg, algo, exp, tokens, scores, mask, valid, old, ref,
                                   old_values, returns, live, sums, n_steps, n_critic, times)
+        if old is not None:
+            record.update(logprob_gap(old, exp.rollout.logprobs, mask))
+        elif recorded[1].any():  # the first update's log-probs, on the rows it computed
+            record.update(logprob_gap(recorded[0], exp.rollout.logprobs,
+                                      mask * recorded[1][:, None]))
         if kl is not None and train_policy:  # while the critic warms up the policy is the ref
             self.kl_ctl.update(kl, int(valid.sum()))
         return StepResult(values=record)

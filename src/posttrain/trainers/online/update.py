@@ -29,12 +29,17 @@ class UpdateInputs:
     returns: torch.Tensor | None
     policy_rows: torch.Tensor
     critic_rows: torch.Tensor
+    recorded: tuple[torch.Tensor, torch.Tensor] | None = None
+    """Without old log-probs: ``(N, Lc)`` and ``(N,)`` buffers the first pass fills with the
+    policy's log-probs at the sampling weights and the rows it computed (the sampler-parity
+    metric reads them)."""
 
 
 def accumulate_policy_gradient(policy, algo: Algorithm, tokens: TokenBatch, mask: torch.Tensor,
                                idx: torch.Tensor, adv: torch.Tensor, old: torch.Tensor | None,
                                ref: torch.Tensor | None, live: torch.Tensor,
-                               micro_batch_size: int, max_new_tokens: int) -> dict[str, float]:
+                               micro_batch_size: int, max_new_tokens: int,
+                               recorded: tuple | None = None) -> dict[str, float]:
     """Backward the loss of the minibatch ``idx`` in micro-batches, each aggregated with the
     normaliser of the whole minibatch (so the summed gradient does not depend on
     ``micro_batch_size``). ``mask``, ``adv``, ``old``, ``ref`` are ``(N, Lc)``. Rows not
@@ -50,6 +55,8 @@ def accumulate_policy_gradient(policy, algo: Algorithm, tokens: TokenBatch, mask
         lp, ent = tokens.logprobs(policy, mb, with_entropy=True, replay=True,
                                   last_replay=i + micro_batch_size >= len(rows))
         old_mb = lp.detach() if old is None else old[mb]
+        if recorded is not None:
+            recorded[0][mb], recorded[1][mb] = old_mb.to(recorded[0].dtype), True
         loss_tok, m = policy_objective(algo, lp, old_mb, adv[mb], mask[mb],
                                        None if ref is None else ref[mb])
         loss = aggregate_loss(loss_tok, mask[mb], algo.aggregation, norm,
@@ -106,7 +113,8 @@ def run_updates(policy, critic, algo: Algorithm, tokens: TokenBatch, x: UpdateIn
             if policy_opt is not None and x.policy_rows[idx].any():
                 m.update(accumulate_policy_gradient(
                     policy, algo, tokens, x.mask, idx, x.advantages, x.old_logprobs,
-                    x.ref_logprobs, x.policy_rows, cfg.micro_batch_size, cfg.max_new_tokens))
+                    x.ref_logprobs, x.policy_rows, cfg.micro_batch_size, cfg.max_new_tokens,
+                    x.recorded))
                 m["grad_norm"] = policy_opt.step()
                 n_steps += 1
             if critic is not None:
