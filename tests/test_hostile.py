@@ -258,3 +258,12 @@ def test_on_nonfinite_skip_leaves_the_update_out(tiny_model_dir, tmp_path, rl_da
     model(torch.tensor([[math.inf, 1.0]])).sum().backward()
     with pytest.raises(loop.NonFiniteError, match="gradient norm of the model"):
         raising.step()
+
+
+def test_a_step_where_every_reward_failed_warns(tiny_model_dir, tmp_path, caplog, rl_data):
+    reward, data = rl_data
+    with caplog.at_level("WARNING"):
+        assert main(["grpo", "--model", tiny_model_dir, "--data", str(data), "--reward",
+                     f"{reward}:nan", "--on_reward_error", "skip", *RL, "--max_steps", "1",
+                     "--output_dir", str(tmp_path / "o")]) == 0
+    assert any("every sample's reward failed" in r.message for r in caplog.records)
