@@ -70,6 +70,8 @@ def rl_data(tmp_path):
     (["sft", "--learning_rate", "1e-4"], ("learning_rate", "'lr'")),
     (["sft", "--learning_rat", "1e-4"], ("'lr'",)),
     (["grpo", "--group_size", "1"], ("group_size",)),
+    (["grpo", "--eval_data", "held.jsonl"], ("eval_data needs data",)),
+    (["grpo", "--reward_weights", "1,x"], ("reward_weights",)),
 ])
 def test_bad_config_values(args, needles, capsys, tmp_path):
     if torch.cuda.is_available() and "cuda" in args:

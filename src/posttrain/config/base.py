@@ -139,6 +139,8 @@ class RunConfig:
         check(self.dtype in ("float32", "bfloat16", "float16"),
               "dtype must be float32, bfloat16 or float16")
         check(self.max_grad_norm >= 0, "max_grad_norm must be ≥ 0")
+        check(self.eval_data is None or self.data is not None,
+              "eval_data needs data too (the built-in task has its own held-out split)")
         if self.output_dir is None:
             self.output_dir = f"runs/{self.run_name}"
 
