@@ -71,6 +71,7 @@ def rl_data(tmp_path):
     (["sft", "--learning_rat", "1e-4"], ("'lr'",)),
     (["grpo", "--group_size", "1"], ("group_size",)),
     (["grpo", "--eval_data", "held.jsonl"], ("eval_data needs data",)),
+    (["ppo", "--group_size", "0"], ("group_size",)),
     (["grpo", "--reward_weights", "1,x"], ("reward_weights",)),
 ])
 def test_bad_config_values(args, needles, capsys, tmp_path):
@@ -219,7 +220,7 @@ def test_a_finished_run_is_never_replaced_silently(tiny_model_dir, tmp_path, cap
     assert (out / "config.yaml").read_text() == config
     capsys.readouterr()
     assert main([*args, "--lr", "3e-4", "--overwrite", "true"]) == 0
-    said = capsys.readouterr().out
+    said = capsys.readouterr().err
     assert "overwrite: removed" in said and "final" in said
     assert "lr: 0.0003" in (out / "config.yaml").read_text()
 
@@ -269,3 +270,69 @@ def test_a_step_where_every_reward_failed_warns(tiny_model_dir, tmp_path, caplog
                      f"{reward}:nan", "--on_reward_error", "skip", *RL, "--max_steps", "1",
                      "--output_dir", str(tmp_path / "o")]) == 0
     assert any("every sample's reward failed" in r.message for r in caplog.records)
+
+
+def test_overwrite_keeps_the_old_run_until_the_new_one_has_loaded(tiny_model_dir, tmp_path,
+                                                                 capsys, rl_data):
+    """--overwrite with a typo in the reward: the error comes before anything is removed; and
+    a run's own config.yaml (which holds overwrite: false) never deletes anything."""
+    reward, data = rl_data
+    out = tmp_path / "run"
+    args = ["grpo", "--model", tiny_model_dir, "--data", str(data), "--reward", f"{reward}:ok",
+            *RL, "--max_steps", "1", "--output_dir", str(out)]
+    assert main(args) == 0
+    fails([*args[:5], f"{reward}:typo", *args[6:], "--overwrite", "true"], capsys, "typo")
+    assert (out / "final" / "model.safetensors").is_file()
+    assert "overwrite: false" in (out / "config.yaml").read_text()
+    fails(["grpo", "--config", str(out / "config.yaml"), "--seed", "1"], capsys, "--overwrite")
+    assert (out / "final" / "model.safetensors").is_file()
+
+
+def test_resume_writes_into_the_checkpoints_run_and_never_over_another(tiny_model_dir,
+                                                                       tmp_path, capsys):
+    run = tmp_path / "run"
+    common = ["sft", "--model", tiny_model_dir, *QUICK, "--batch_size", "4",
+              "--save_every", "2", "--max_steps", "4"]
+    assert main([*common, "--output_dir", str(run)]) == 0
+    other = tmp_path / "other"
+    assert main([*common, "--output_dir", str(other)]) == 0
+    ckpt = str(run / "checkpoint-2")
+    fails([*common, "--max_steps", "6", "--resume_from", ckpt, "--output_dir", str(other)],
+          capsys, str(other), "another run")
+    fails([*common, "--max_steps", "6", "--resume_from", str(run / "final")], capsys,
+          "final/", "not a checkpoint")
+    from posttrain import config
+    from posttrain.config import SFTConfig
+    from posttrain.trainers import loop
+
+    cfg = config.load(SFTConfig, None, [*common[1:], "--max_steps", "6", "--resume_from", ckpt])
+    loop.start_run(cfg)  # no --output_dir: the checkpoint's own run directory
+    assert cfg.output_dir == str(run)
+
+
+def test_unfinished_writes_are_finished_or_removed_and_nothing_else(tmp_path):
+    """A complete checkpoint-4.tmp whose checkpoint-4 is missing (killed between the two
+    renames) becomes checkpoint-4; a half-written one goes; a user's own *.tmp stays."""
+    from posttrain.config import SFTConfig
+    from posttrain.trainers import checkpoint as ckpt
+
+    cfg = SFTConfig(output_dir=str(tmp_path))
+    cfg.validate()
+    done = tmp_path / "checkpoint-4.tmp"
+    done.mkdir()
+    (done / "model.safetensors").write_bytes(b"x" * 10)
+    ckpt.write_manifest(done, 4, "run", cfg)
+    half = tmp_path / "checkpoint-6.tmp"
+    half.mkdir()
+    (half / "model.safetensors").write_bytes(b"y")
+    mine = tmp_path / "notes.tmp"
+    mine.mkdir()
+    said = ckpt.clean_partial(tmp_path)
+    assert (tmp_path / "checkpoint-4").is_dir() and ckpt.verify(tmp_path / "checkpoint-4")
+    assert not half.exists() and mine.is_dir() and len(said) == 2
+
+
+def test_eval_names_a_reward_function_that_fails(tiny_model_dir, capsys, rl_data):
+    reward, data = rl_data
+    fails(["eval", "--model", tiny_model_dir, "--data", str(data), "--reward", f"{reward}:boom",
+           "--max_new_tokens", "2"], capsys, "boom", "ZeroDivisionError", "sample")

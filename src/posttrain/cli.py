@@ -170,11 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
-    parser = build_parser()
-    args, rest = parser.parse_known_args(argv)
-    if args.command not in COMMANDS and rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
+        parser = build_parser()
+        args, rest = parser.parse_known_args(argv)
+        if args.command not in COMMANDS and rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
         return _dispatch(parser, args, rest)
     except KeyboardInterrupt:
         if debug:

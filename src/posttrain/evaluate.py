@@ -59,9 +59,14 @@ def evaluate_policy(model, tokenizer, rows: list[dict], reward_fn: Callable,
     prompts = [r["prompt"] for r in rows]
     completions = greedy_completions(engine, prompts, max_new_tokens, batch_size)
     columns = reward_columns(rows)
-    rewards = [float(x) for x in reward_fn(prompts, completions, **columns)]
-    if len(rewards) != len(rows):
-        raise ValueError(f"reward function returned {len(rewards)} values for {len(rows)} rows")
+    from posttrain.rewards import RewardTerm, score
+
+    # through the training path's checks: a reward that raises, returns the wrong count or
+    # type is an error naming the function and sample; a non-finite value stays NaN (skip)
+    name = getattr(reward_fn, "__name__", "reward")
+    total, _, valid = score([RewardTerm(name, reward_fn)], prompts, completions, columns,
+                            "skip_nonfinite")
+    rewards = [float(x) if ok else float("nan") for x, ok in zip(total, valid, strict=True)]
     n = len(rewards)
     return {"accuracy": sum(r >= threshold for r in rewards) / n,
             "mean_reward": sum(rewards) / n, "n": n}

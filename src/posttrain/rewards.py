@@ -10,7 +10,8 @@ on its own and the total is their weighted sum.
 
 A function that raises, returns the wrong number of values, or returns NaN, inf or a
 non-number stops training with an error naming the function and the sample — or, with
-``on_error="skip"``, the sample is left out of the loss and counted.
+``on_error="skip"``, the sample is left out of the loss and counted (``"skip_nonfinite"``:
+only a non-finite value is left out, as NaN; evaluation reports it).
 """
 
 from __future__ import annotations
@@ -136,9 +137,12 @@ def _call(term: RewardTerm, prompts, completions, columns, on_error: str):
         try:
             x = float(v)
         except (TypeError, ValueError):
+            if on_error != "skip":
+                raise RewardError(f"reward {term.name!r} returned {v!r} for sample {i}, not a "
+                                  f"number (prompt {_excerpt(prompts[i])})") from None
             x = float("nan")
         if not math.isfinite(x) or abs(x) > FLOAT32_MAX:  # training reads it in float32
-            if on_error != "skip":
+            if on_error == "raise":
                 raise RewardError(f"reward {term.name!r} returned {v!r} for sample {i}, which "
                                   f"is not a finite float32 number (prompt {_excerpt(prompts[i])},"
                                   f" completion {_excerpt(completions[i])})")
@@ -156,7 +160,7 @@ def score(terms: list[RewardTerm], prompts: list[str], completions: list[str],
     total = sum(t.weight * per[t.name] for t in terms)
     valid = torch.isfinite(total) & (total.abs() <= FLOAT32_MAX)
     overflow = valid.logical_not() & torch.stack([v.isfinite() for v in per.values()]).all(0)
-    if overflow.any() and on_error != "skip":
+    if overflow.any() and on_error == "raise":
         i = int(overflow.nonzero()[0])
         raise RewardError(f"the weighted reward of sample {i} is {float(total[i])}, not a finite "
                           f"float32 number (prompt {_excerpt(prompts[i])})")

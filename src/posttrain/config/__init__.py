@@ -183,8 +183,16 @@ def read_yaml(config_file: str) -> dict:
     return data
 
 
+ONE_OFF_KEYS = {"overwrite": False, "resume_from": None}
+"""Keys that describe one invocation, not the run: a run's config.yaml holds their defaults,
+so loading it again never deletes or resumes anything by itself."""
+
+
 def dump(cfg, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+    """``cfg`` as YAML (loadable with ``load``), one-off keys at their defaults."""
+    values = {**dataclasses.asdict(cfg), **{k: v for k, v in ONE_OFF_KEYS.items()
+                                            if hasattr(cfg, k)}}
+    Path(path).write_text(yaml.safe_dump(values, sort_keys=False))
 
 
 from posttrain.config.base import RunConfig, check_device  # noqa: E402  (they use check)

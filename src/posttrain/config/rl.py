@@ -121,6 +121,7 @@ class RLConfig(RunConfig):
         check(self.fast or self.rollout_backend != "lean",
               "rollout_backend=lean is part of the speed machinery that fast=false turns off")
         algo = self.algorithm()
+        check(self.group_size >= 1, f"group_size must be ≥ 1, got {self.group_size}")
         check(self.group_size >= 2 or not algo.needs_groups,
                f"group_size must be ≥ 2 for {self.algo}")
         check(self.reward_clip >= 0 and self.missing_eos_penalty >= 0 and self.kl_target >= 0

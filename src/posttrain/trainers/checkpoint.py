@@ -71,9 +71,12 @@ def write_atomically(path: Path, write) -> None:
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     write(tmp)
-    if path.exists():
-        shutil.rmtree(path)
+    old = path.with_name(path.name + ".old")
+    if path.exists():  # set aside, not deleted, until the new one is in place
+        os.replace(path, old)
     os.replace(tmp, path)
+    if old.exists():
+        shutil.rmtree(old)
 
 
 def truncate_metrics(path: Path, step: int) -> int:
@@ -90,7 +93,9 @@ def truncate_metrics(path: Path, step: int) -> int:
         if row.get("step", 0) > step:
             break
         kept.append(line)
-    path.write_text("".join(line + "\n" for line in kept))
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)  # a kill during the repair leaves the old file whole
     return len(kept)
 
 
@@ -98,7 +103,7 @@ def truncate_metrics(path: Path, step: int) -> int:
 
 MANIFEST = "manifest.json"
 RESUMABLE_DIFFERENCES = frozenset({"max_steps", "resume_from", "output_dir", "overwrite",
-                                   "on_nonfinite"})
+                                   "on_nonfinite", "on_reward_error"})
 """Config keys a resumed run may change: how far to go, where to write, what to do on a
 non-finite value. Every other key must be the checkpoint's."""
 
@@ -186,9 +191,33 @@ def check_resume(directory: Path, manifest: dict, cfg) -> None:
                               f"the checkpoint's step {manifest['step']}; nothing to do")
 
 
-def clean_partial(output_dir: Path) -> list[Path]:
-    """Remove the temporary directories of writes that never finished; returns them."""
-    left = [p for p in output_dir.glob("*.tmp") if p.is_dir()]
-    for p in left:
-        shutil.rmtree(p)
-    return left
+def _ours(name: str) -> bool:
+    """A checkpoint-<step> or final directory name (nothing else is ever cleaned up)."""
+    return name == "final" or (name.startswith("checkpoint-") and name[11:].isdigit())
+
+
+def clean_partial(output_dir: Path) -> list[str]:
+    """Finish or undo the atomic writes a killed run left (see :func:`write_atomically`):
+    a complete ``X.tmp`` whose ``X`` is missing (killed between the renames) becomes ``X``,
+    an older ``X.old`` goes back to ``X`` when ``X`` is missing, and the rest is removed.
+    Only ``checkpoint-<step>`` and ``final`` are touched; returns what was done."""
+    done = []
+    for p in sorted(output_dir.glob("*.tmp")) + sorted(output_dir.glob("*.old")):
+        target = p.with_name(p.name.rsplit(".", 1)[0])
+        if not p.is_dir() or not _ours(target.name):
+            continue
+        complete = p.suffix == ".old" or (p / MANIFEST).is_file()
+        if complete and not target.exists():
+            if p.suffix == ".tmp":
+                try:
+                    verify(p)
+                except CheckpointError:
+                    shutil.rmtree(p)
+                    done.append(f"removed {p}: a write that never finished")
+                    continue
+            os.replace(p, target)
+            done.append(f"restored {target} from {p.name}")
+        else:
+            shutil.rmtree(p)
+            done.append(f"removed {p}: a write that never finished")
+    return done

@@ -20,7 +20,6 @@ import math
 import random
 import signal
 import sys
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from safetensors.torch import load_file, save_file
 from posttrain import fast
 from posttrain.trainers import checkpoint as ckpt
 from posttrain.trainers import rundir
+from posttrain.trainers.guards import NonFiniteError, StopSignals, check_finite_weights, check_step
 
 console = Console(stderr=True)
 
@@ -62,10 +62,6 @@ def adamw(params, lr: float, weight_decay: float) -> torch.optim.AdamW:
     exists on CPU; it matters for small models, whose step is dominated by per-tensor
     overhead."""
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
-
-
-class NonFiniteError(RuntimeError):
-    """A NaN or inf where training needs a finite number."""
 
 
 class Optim:
@@ -193,16 +189,9 @@ def start_run(cfg) -> Path | None:
     returns that checkpoint (or None)."""
     fast.prepare_process(cfg)
     seed_everything(cfg.seed)
-    rundir.check_output_dir(cfg)
-    return rundir.resolve_resume(cfg)
-
-
-def check_finite_weights(job: Job, step: int) -> None:
-    """Refuse to save weights that hold NaN or inf."""
-    for name, model in job.models().items():
-        if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
-            raise NonFiniteError(f"step {step}: the {name}'s weights hold NaN or inf; nothing "
-                                 "was saved")
+    resume = rundir.resolve_resume(cfg)
+    rundir.check_output_dir(cfg, resume)
+    return resume
 
 
 class Window:
@@ -241,7 +230,7 @@ def save_checkpoint(path: Path, job: Job, step: int, window: Window, run_id: str
                     cfg) -> None:
     """Everything a resume needs, written atomically with its manifest last (see
     :mod:`.checkpoint`)."""
-    check_finite_weights(job, step)
+    check_finite_weights(job.models(), step)
 
     def write(tmp: Path) -> None:
         job.save(tmp)
@@ -254,7 +243,7 @@ def save_checkpoint(path: Path, job: Job, step: int, window: Window, run_id: str
                   str(tmp / "state.safetensors"))
         (tmp / ckpt.STATE).write_text(json.dumps(
             {"format": ckpt.FORMAT, "step": step, "rng": rng_meta, "job": meta,
-             "window": window.state()}))
+             "window": window.state(), "skipped": {o.name: o.skipped for o in job.optimizers}}))
         ckpt.write_manifest(tmp, step, run_id, cfg)
     ckpt.write_atomically(path, write)
 
@@ -266,6 +255,7 @@ def load_checkpoint(path: Path, job: Job, window: Window) -> int:
     tensors = load_file(str(path / "state.safetensors"))
     for o in job.optimizers:
         ckpt.load_optimizer(o.opt, path / f"optimizer-{o.name}")
+        o.skipped = int(state.get("skipped", {}).get(o.name, 0))
     job.load_state(state["job"], {k[4:]: v for k, v in tensors.items() if k.startswith("job.")})
     ckpt.set_rng_state(state["rng"], {k[4:]: v for k, v in tensors.items()
                                       if k.startswith("rng.")})
@@ -280,31 +270,6 @@ def load_policy(cfg, name: str):
 
     return fast.prepare_model(load_causal_lm(name, cfg.dtype, cfg.device, cfg.trust_remote_code),
                               cfg.fast)
-
-
-class StopSignals:
-    """SIGINT and SIGTERM ask the run to stop after the current step (a second one stops it
-    at once); inside the block only, and only in the main thread."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self):
-        self.received: int | None = None
-        self._old: dict = {}
-
-    def _handle(self, signum, frame) -> None:
-        if self.received is not None:
-            raise KeyboardInterrupt
-        self.received = signum
-
-    def __enter__(self) -> StopSignals:
-        if threading.current_thread() is threading.main_thread():
-            self._old = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for s, handler in self._old.items():
-            signal.signal(s, handler)
 
 
 def _log_row(cfg, job: Job, writer: MetricsWriter, window: Window, step: int, total: int,
@@ -325,86 +290,114 @@ def _log_row(cfg, job: Job, writer: MetricsWriter, window: Window, step: int, to
     return row
 
 
-def _check_step(result: StepResult, step: int) -> None:
-    loss = {**result.values, **{k: v / max(result.units, 1) for k, v in result.sums.items()}}
-    for key in ("train/loss", "train/grad_norm"):
-        if key in loss and not math.isfinite(loss[key]):
-            raise NonFiniteError(f"step {step}: {key} is {loss[key]}; stopped before saving "
-                                 "(lower --lr, check the data and rewards, or pass "
-                                 "--on_nonfinite skip)")
+MAX_SKIPPED_IN_A_ROW = 10
+"""With on_nonfinite=skip: this many consecutive steps without an update stop the run (it
+would otherwise end having learned nothing and say nothing)."""
+
+
+def _strict(record: dict) -> str:
+    return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v
+                       for k, v in record.items()}, allow_nan=False)
+
+
+def _skipped(job: Job) -> int:
+    return sum(o.skipped for o in job.optimizers)
 
 
 def run(cfg, job: Job, total_steps: int) -> dict[str, float]:
     """Run ``job`` for ``total_steps`` steps (see the module docstring); returns the last
     value of every metric logged."""
-    out = rundir.prepare_output(cfg)
+    out = rundir.prepare_output(cfg, Path(cfg.resume_from) if cfg.resume_from else None)
     window = Window()
     step0, run_id = 0, uuid.uuid4().hex
     if cfg.resume_from:
         step0 = load_checkpoint(Path(cfg.resume_from), job, window)
         run_id = json.loads((Path(cfg.resume_from) / ckpt.MANIFEST).read_text())["run_id"]
         ckpt.truncate_metrics(out / "metrics.jsonl", step0)
-        print(f"[{job.name}] resumed from {cfg.resume_from} at step {step0}", flush=True)
+        print(f"[{job.name}] resumed from {cfg.resume_from} at step {step0}", file=sys.stderr,
+              flush=True)
     writer = MetricsWriter(out, cfg.tensorboard)
     schedule = lr_lambda(cfg.lr_schedule, int(cfg.warmup_ratio * total_steps), total_steps)
     last: dict[str, float] = {}
     start: dict[str, float] = {}
+    final: dict[str, float] = {}
     t_start = time.perf_counter()
     interactive = console.is_terminal
     progress = Progress(TextColumn(f"[bold]{job.name}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("{task.fields[info]}"), TimeRemainingColumn(),
                         console=console, disable=not interactive)
     try:
-        if step0 == 0:
-            seed_everything(cfg.seed)  # models are loaded: training starts from the seed
-        if job.eval_at_start and step0 == 0:
-            start = job.evaluate()
-            if start:
-                writer.write(0, start)
-                print(json.dumps({"step": 0, **start}), flush=True)
-        with progress, StopSignals() as stop:
-            task = progress.add_task(job.name, total=total_steps, completed=step0, info="")
-            for step in range(step0 + 1, total_steps + 1):
-                t0 = time.perf_counter()
-                lrs = [o.set_lr(schedule(step - 1)) for o in job.optimizers]
-                try:
-                    result = job.step(step)
-                except NonFiniteError as e:
-                    raise NonFiniteError(f"step {step}: {e}") from None
-                if cfg.on_nonfinite == "raise":
-                    _check_step(result, step)
-                window.add(result, time.perf_counter() - t0)
-                row = _log_row(cfg, job, writer, window, step, total_steps,
-                               lrs[0] if lrs else 0.0, t_start)
-                last.update(row)
-                if step % cfg.log_every == 0 or step == total_steps:
-                    window = Window()
-                    info = "  ".join(f"{label} {row[key]:.3f}"
-                                     for label, key in job.progress_keys if key in row)
-                    progress.update(task, info=info)
-                    if not interactive:
-                        print(f"[{job.name}] step {step}/{total_steps}  {info}", file=sys.stderr,
-                              flush=True)
-                progress.advance(task)
-                if stop.received is not None and step != total_steps:
-                    _stop(cfg, job, out, step, window, run_id, stop.received)
-                if cfg.save_every and step % cfg.save_every == 0 and step != total_steps:
-                    save_checkpoint(out / f"checkpoint-{step}", job, step, window, run_id, cfg)
-        final = job.evaluate()
-        if final:
-            writer.write(total_steps, final)
-            last.update(final)
-        check_finite_weights(job, total_steps)
-        ckpt.write_atomically(out / "final", lambda tmp: (
-            job.save(tmp), ckpt.write_manifest(tmp, total_steps, run_id, cfg)))
+        with StopSignals(job.name) as stop:
+            if step0 == 0:
+                seed_everything(cfg.seed)  # models are loaded: training starts from the seed
+            if job.eval_at_start and step0 == 0:
+                start = job.evaluate()
+                if start:
+                    writer.write(0, start)
+                    print(_strict({"step": 0, **start}), flush=True)
+            with progress:
+                task = progress.add_task(job.name, total=total_steps, completed=step0, info="")
+                for step in range(step0 + 1, total_steps + 1):
+                    window = _one_step(cfg, job, writer, window, step, total_steps, schedule,
+                                       t_start, last)
+                    progress.advance(task)
+                    if step % cfg.log_every == 0 or step == total_steps:
+                        info = "  ".join(f"{label} {last[key]:.3f}"
+                                         for label, key in job.progress_keys if key in last)
+                        progress.update(task, info=info)
+                        if not interactive:
+                            print(f"[{job.name}] step {step}/{total_steps}  {info}",
+                                  file=sys.stderr, flush=True)
+                    if stop.received is not None and step != total_steps:
+                        _stop(cfg, job, out, step, window, run_id, stop.received)
+                    if cfg.save_every and step % cfg.save_every == 0 and step != total_steps:
+                        save_checkpoint(out / f"checkpoint-{step}", job, step, window, run_id,
+                                        cfg)
+            if stop.received is None:  # a signal here: the steps are done, write final/ now
+                final = job.evaluate()
+                if final:
+                    writer.write(total_steps, final)
+                    last.update(final)
+            check_finite_weights(job.models(), total_steps)
+            ckpt.write_atomically(out / "final", lambda tmp: (
+                job.save(tmp), ckpt.write_manifest(tmp, total_steps, run_id, cfg)))
+            if stop.received is not None:
+                raise SystemExit(128 + stop.received)
     finally:
         writer.close()
         job.close()
     if start:
-        print(json.dumps({"step": total_steps, **{f"start/{k[5:]}": v for k, v in start.items()
-                                                  if k.startswith("eval/")}, **final}),
-              flush=True)
+        print(_strict({"step": total_steps, **{f"start/{k[5:]}": v for k, v in start.items()
+                                               if k.startswith("eval/")}, **final}), flush=True)
     return last
+
+
+def _one_step(cfg, job: Job, writer: MetricsWriter, window: Window, step: int, total: int,
+              schedule, t_start: float, last: dict) -> Window:
+    """Step ``step``: the scheduled learning rates, the job's step, its checks, the metrics
+    window and row; returns the window to go on with."""
+    t0 = time.perf_counter()
+    lrs = [o.set_lr(schedule(step - 1)) for o in job.optimizers]
+    skipped = _skipped(job)
+    try:
+        result = job.step(step)
+    except NonFiniteError as e:
+        raise NonFiniteError(f"step {step}: {e}") from None
+    if cfg.on_nonfinite == "raise":
+        check_step({**result.values, **{k: v / max(result.units, 1)
+                                        for k, v in result.sums.items()}}, step)
+    if _skipped(job) == skipped:  # a step whose update was left out has no metrics
+        job.skipped_in_a_row = 0
+        window.add(result, time.perf_counter() - t0)
+    else:
+        job.skipped_in_a_row = getattr(job, "skipped_in_a_row", 0) + 1
+        if job.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
+            raise NonFiniteError(f"step {step}: {job.skipped_in_a_row} steps in a row had a "
+                                 "non-finite gradient and were skipped; stopped (lower --lr, "
+                                 "check the data and rewards)")
+    row = _log_row(cfg, job, writer, window, step, total, lrs[0] if lrs else 0.0, t_start)
+    last.update(row)
+    return Window() if step % cfg.log_every == 0 or step == total else window
 
 
 def _stop(cfg, job: Job, out: Path, step: int, window: Window, run_id: str, signum: int):
