@@ -310,9 +310,8 @@ def test_log_probs_at_the_sampling_temperature_match_the_sampler(backend, tmp_pa
     divide by it) equal the sampler's recorded ones to float32 rounding, in both layouts;
     each step logs the gap. Without the division they would differ by far more."""
     from bounds import model_inner, model_stages, rel_bound
-    from rl_steps import rl_step
-
     from posttrain.trainers.online import TokenBatch
+    from rl_steps import rl_step
 
     cfg = RLConfig(output_dir=str(tmp_path), max_steps=1, prompts_per_step=4, group_size=4,
                    max_new_tokens=6, temperature=0.7, rollout_backend=backend,
