@@ -172,8 +172,29 @@ def dies(orig):
         return orig(*a, **k)
     return f
 
-if point == "optimizer":   # the model files are written, the optimiser's are not
+if point == "tokenizer":   # the model's weights and config are written, its tokenizer not
+    import posttrain.trainers.offline as off
+    real_save = off.save_model
+
+    def save_model(model, tokenizer, path):
+        if "checkpoint-4" in str(path):
+            model.save_pretrained(path)
+            os.kill(os.getpid(), signal.SIGKILL)
+        real_save(model, tokenizer, path)
+    off.save_model = save_model
+elif point == "optimizer":   # the model files are written, the optimiser's are not
     ck.save_optimizer = dies(ck.save_optimizer)
+elif point == "state":     # the optimiser's too, not the RNG and trainer state
+    import posttrain.trainers.loop as lp
+    real_save_ckpt = lp.save_checkpoint
+
+    def save_checkpoint(path, *a, **k):
+        if path.name == "checkpoint-4":
+            def rng_state():
+                os.kill(os.getpid(), signal.SIGKILL)
+            ck.rng_state = rng_state
+        return real_save_ckpt(path, *a, **k)
+    lp.save_checkpoint = save_checkpoint
 elif point == "manifest":  # every file but the manifest
     ck.write_manifest = dies(ck.write_manifest)
 else:                      # everything, before the rename
@@ -183,11 +204,12 @@ sys.exit(main(args))
 """
 
 
-@pytest.mark.parametrize("point", ["optimizer", "manifest", "rename"])
+@pytest.mark.parametrize("point", ["tokenizer", "optimizer", "state", "manifest", "rename"])
 def test_sigkill_during_a_checkpoint_write_resumes_from_a_complete_one(point, tiny_model_dir,
                                                                        tmp_path):
-    """Killed while writing checkpoint-4 (after the model, before the manifest, before the
-    rename): the half-written directory is never taken; resuming the run directory starts
+    """Killed while writing checkpoint-4 — after the model's weights, after the optimiser's,
+    before the RNG and trainer state, before the manifest, before the rename: the
+    half-written directory is never taken; resuming the run directory starts
     from checkpoint-2, cleans the leftover and ends where an uninterrupted run ends."""
     args = ["sft", "--model", tiny_model_dir, "--batch_size", "4", "--builtin_train_size",
             "32", "--builtin_eval_size", "4", "--device", "cpu", "--tensorboard", "false",
