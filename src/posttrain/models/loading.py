@@ -13,6 +13,7 @@ import os
 import re
 import socket
 import struct
+import urllib.parse
 from pathlib import Path
 
 import torch
@@ -77,14 +78,20 @@ def _check_hub(name: str) -> None:
             return
     except Exception:  # an old huggingface_hub or a name it rejects: let transformers say
         return
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false"):
+    from huggingface_hub import constants
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+    if constants.HF_HUB_OFFLINE or offline:
         raise ModelError(f"model {name!r}: no such local directory, and not in the Hugging "
                          "Face cache (HF_HUB_OFFLINE is set)")
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return  # through a proxy only the download itself can tell
+    host = urllib.parse.urlparse(constants.ENDPOINT)
     try:
-        socket.create_connection(("huggingface.co", 443), timeout=3).close()
+        socket.create_connection((host.hostname, host.port or 443), timeout=3).close()
     except OSError:
         raise ModelError(f"model {name!r}: no such local directory, not in the Hugging Face "
-                         "cache, and huggingface.co cannot be reached") from None
+                         f"cache, and {host.hostname} cannot be reached") from None
 
 
 def diagnose(path: str) -> str | None:
