@@ -258,3 +258,23 @@ def test_sigint_and_sigterm_checkpoint_and_print_the_resume_command(sig, code, t
     # the printed command resumes (here up to two more steps)
     assert _cli([*command[1:], "--max_steps", str(step + 2)]) == 0
     assert (out / "final" / "manifest.json").is_file()
+
+
+def test_resume_restores_the_rng_that_dropout_draws_from(tmp_path):
+    """With dropout the global RNG shapes every step: a resume that did not restore it would
+    end on other weights."""
+    from posttrain.builtin.build import init_model
+
+    model = tmp_path / "dropout-model"
+    init_model(model, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+               num_attention_heads=2, num_key_value_heads=2, attention_dropout=0.3)
+    args = ["sft", "--model", str(model), "--batch_size", "4", "--builtin_train_size", "32",
+            "--builtin_eval_size", "4", "--device", "cpu", "--tensorboard", "false",
+            "--save_every", "3", "--max_steps", "6", "--lr_schedule", "constant"]
+    whole = tmp_path / "whole"
+    assert _cli([*args, "--output_dir", str(whole)]) == 0
+    again = tmp_path / "again"
+    assert _cli([*args, "--output_dir", str(again), "--resume_from",
+                 str(whole / "checkpoint-3")]) == 0
+    a, b = _weights(whole / "final"), _weights(again / "final")
+    assert all(torch.equal(a[k], b[k]) for k in a)
