@@ -197,7 +197,12 @@ def _dispatch(parser, args, rest) -> int:
         _, cls_name, entry = _commands()[args.command]
         cfg = config.load(_config_class(cls_name), args.config, rest)
         _quiet_transformers()
-        metrics = _entry(*entry)(cfg)
+        try:
+            metrics = _entry(*entry)(cfg)
+        finally:
+            from posttrain import dist
+
+            dist.close()
         print(_json({"output_dir": cfg.output_dir,
                      **{k: v for k, v in metrics.items() if k.startswith("eval/")}}))
         return 0

@@ -38,6 +38,18 @@ class StopSignals:
             self._old = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
         return self
 
+    def stopping(self) -> bool:
+        """Whether to stop after this step: on any rank a signal arrived (every rank decides
+        alike, or the collectives of the next step would wait forever)."""
+        from posttrain import dist
+
+        if dist.world_size() == 1:
+            return self.received is not None
+        got = dist.sum_floats([float(self.received or 0), float(self.received is not None)])
+        if got[1] and self.received is None:
+            self.received = int(got[0] / got[1])
+        return bool(got[1])
+
     def __exit__(self, *exc) -> None:
         for s, handler in self._old.items():
             signal.signal(s, handler)

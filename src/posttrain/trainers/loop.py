@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import signal
 import sys
@@ -30,7 +31,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from safetensors.torch import load_file, save_file
 
-from posttrain import fast
+from posttrain import dist, fast
 from posttrain.trainers import checkpoint as ckpt
 from posttrain.trainers import rundir
 from posttrain.trainers.guards import NonFiniteError, StopSignals, check_finite_weights, check_step
@@ -83,6 +84,10 @@ class Optim:
         return self.peak_lr * scale
 
     def step(self) -> float:
+        dist.sum_gradients(self.params)  # every rank now holds the whole step's gradient
+        return self._apply()
+
+    def _apply(self) -> float:
         """Clip (when max_grad_norm > 0), step, zero the gradients; the gradient norm before
         clipping. A norm that is not finite raises :class:`NonFiniteError`, or with
         ``on_nonfinite="skip"`` leaves the step out (counted in ``skipped``)."""
@@ -157,9 +162,9 @@ class MetricsWriter:
 
     def __init__(self, output_dir: Path, tensorboard: bool):
         self.path = output_dir / "metrics.jsonl"
-        self.file = self.path.open("a")
+        self.file = self.path.open("a") if dist.is_main() else open(os.devnull, "w")  # noqa: SIM115
         self.tb = None
-        if tensorboard:
+        if tensorboard and dist.is_main():
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
@@ -187,7 +192,12 @@ def start_run(cfg) -> Path | None:
     """What every run does before it loads a model: the process settings, the seeds, the
     output directory checked (:mod:`.rundir`) and the checkpoint to resume from verified;
     returns that checkpoint (or None)."""
+    from posttrain.models import pick_device
+
     fast.prepare_process(cfg)
+    dist.init(pick_device(cfg.device))
+    if not dist.is_main():  # rank 0 alone prints and writes
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 -- for the life of the process
     seed_everything(cfg.seed)
     resume = rundir.resolve_resume(cfg)
     rundir.check_output_dir(cfg, resume)
@@ -231,6 +241,9 @@ def save_checkpoint(path: Path, job: Job, step: int, window: Window, run_id: str
     """Everything a resume needs, written atomically with its manifest last (see
     :mod:`.checkpoint`)."""
     check_finite_weights(job.models(), step)
+    if not dist.is_main():
+        dist.barrier()  # rank 0 writes; every rank goes on once it has
+        return
 
     def write(tmp: Path) -> None:
         job.save(tmp)
@@ -246,6 +259,7 @@ def save_checkpoint(path: Path, job: Job, step: int, window: Window, run_id: str
              "window": window.state(), "skipped": {o.name: o.skipped for o in job.optimizers}}))
         ckpt.write_manifest(tmp, step, run_id, cfg)
     ckpt.write_atomically(path, write)
+    dist.barrier()
 
 
 def load_checkpoint(path: Path, job: Job, window: Window) -> int:
@@ -307,7 +321,10 @@ def _skipped(job: Job) -> int:
 def run(cfg, job: Job, total_steps: int) -> dict[str, float]:
     """Run ``job`` for ``total_steps`` steps (see the module docstring); returns the last
     value of every metric logged."""
-    out = rundir.prepare_output(cfg, Path(cfg.resume_from) if cfg.resume_from else None)
+    out = rundir.output_dir(cfg)
+    if dist.is_main():
+        rundir.prepare_output(cfg, Path(cfg.resume_from) if cfg.resume_from else None)
+    dist.barrier()
     window = Window()
     step0, run_id = 0, uuid.uuid4().hex
     if cfg.resume_from:
@@ -322,7 +339,7 @@ def run(cfg, job: Job, total_steps: int) -> dict[str, float]:
     start: dict[str, float] = {}
     final: dict[str, float] = {}
     t_start = time.perf_counter()
-    interactive = console.is_terminal
+    interactive = console.is_terminal and dist.is_main()
     progress = Progress(TextColumn(f"[bold]{job.name}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("{task.fields[info]}"), TimeRemainingColumn(),
                         console=console, disable=not interactive)
@@ -345,23 +362,26 @@ def run(cfg, job: Job, total_steps: int) -> dict[str, float]:
                         info = "  ".join(f"{label} {last[key]:.3f}"
                                          for label, key in job.progress_keys if key in last)
                         progress.update(task, info=info)
-                        if not interactive:
+                        if not interactive and dist.is_main():
                             print(f"[{job.name}] step {step}/{total_steps}  {info}",
                                   file=sys.stderr, flush=True)
-                    if stop.received is not None and step != total_steps:
+                    if stop.stopping() and step != total_steps:
                         _stop(cfg, job, out, step, window, run_id, stop.received)
                     if cfg.save_every and step % cfg.save_every == 0 and step != total_steps:
                         save_checkpoint(out / f"checkpoint-{step}", job, step, window, run_id,
                                         cfg)
-            if stop.received is None:  # a signal here: the steps are done, write final/ now
+            stopped = stop.stopping()
+            if not stopped:  # a signal here: the steps are done, write final/ now
                 final = job.evaluate()
                 if final:
                     writer.write(total_steps, final)
                     last.update(final)
             check_finite_weights(job.models(), total_steps)
-            ckpt.write_atomically(out / "final", lambda tmp: (
-                job.save(tmp), ckpt.write_manifest(tmp, total_steps, run_id, cfg)))
-            if stop.received is not None:
+            if dist.is_main():
+                ckpt.write_atomically(out / "final", lambda tmp: (
+                    job.save(tmp), ckpt.write_manifest(tmp, total_steps, run_id, cfg)))
+            dist.barrier()
+            if stopped:
                 raise SystemExit(128 + stop.received)
     finally:
         writer.close()
@@ -405,7 +425,8 @@ def _stop(cfg, job: Job, out: Path, step: int, window: Window, run_id: str, sign
     path = out / f"checkpoint-{step}"
     save_checkpoint(path, job, step, window, run_id, cfg)
     name = signal.Signals(signum).name
-    print(f"[{job.name}] {name}: stopped after step {step}, checkpoint {path}; resume with: "
-          f"posttrain {cfg.COMMAND} --config {out / 'config.yaml'} --resume_from {path}",
-          file=sys.stderr, flush=True)
+    if dist.is_main():
+        print(f"[{job.name}] {name}: stopped after step {step}, checkpoint {path}; resume with: "
+              f"posttrain {cfg.COMMAND} --config {out / 'config.yaml'} --resume_from {path}",
+              file=sys.stderr, flush=True)
     raise SystemExit(128 + signum)

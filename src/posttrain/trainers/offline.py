@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 
 from posttrain import data as data_mod
-from posttrain import fast
+from posttrain import dist, fast
 from posttrain.builtin import task as builtin_task
-from posttrain.config import DPOConfig, OfflineConfig, RMConfig, SFTConfig
+from posttrain.config import ConfigError, DPOConfig, OfflineConfig, RMConfig, SFTConfig
 from posttrain.core import bradley_terry_loss, dpo_loss
 from posttrain.fast.compile import compile_models
 from posttrain.models import (
@@ -97,6 +97,9 @@ class OfflineJob(Job):
         self.device = next(model.parameters()).device
         self.name = cfg.COMMAND
         self.stream = ExampleStream(len(train_examples), cfg.seed)
+        if cfg.batch_size % dist.world_size():
+            raise ConfigError(f"batch_size {cfg.batch_size} is global: it must be a multiple of "
+                              f"the {dist.world_size()} ranks")
         self.optimizers = [Optim("model", model, cfg.lr, cfg.weight_decay, cfg.max_grad_norm,
                                  cfg.on_nonfinite)]
 
@@ -122,12 +125,17 @@ class OfflineJob(Job):
             yield self.to_device(self.collate(examples[i:i + batch_size]))
 
     def step(self, step: int) -> StepResult:
+        """One optimiser step over ``grad_accum`` micro-batches of ``batch_size`` examples.
+        Under torchrun each rank takes its share of every micro-batch (all ranks draw the
+        same order); the loss is normalised by the units of the whole step across ranks and
+        the gradients are summed across ranks (in :class:`Optim`), so the update is the one
+        a single process computes."""
         cfg = self.cfg
         self.model.train()
-        micro = [self.to_device(self.collate([self.train_examples[next(self.stream)]
-                                              for _ in range(cfg.batch_size)]))
+        micro = [self.to_device(self.collate(dist.shard([self.train_examples[next(self.stream)]
+                                                         for _ in range(cfg.batch_size)])))
                  for _ in range(cfg.grad_accum)]
-        step_units = sum(self.units(b) for b in micro)
+        step_units = dist.sum_floats([sum(self.units(b) for b in micro)])[0]
         sums: dict[str, torch.Tensor] = {}
         for batch in micro:
             loss_sum, metric_sums = self.loss(batch)
@@ -135,7 +143,9 @@ class OfflineJob(Job):
             for k, v in {"loss": loss_sum.detach(), **metric_sums}.items():
                 sums[f"train/{k}"] = sums.get(f"train/{k}", 0.0) + v.detach()
         norm = self.optimizers[0].step()
-        return StepResult({k: float(v) for k, v in sums.items()}, step_units,
+        keys = sorted(sums)
+        totals = dist.sum_floats([float(sums[k]) for k in keys])
+        return StepResult(dict(zip(keys, totals, strict=True)), step_units,
                           {"train/grad_norm": norm})
 
     @torch.no_grad()
@@ -145,14 +155,16 @@ class OfflineJob(Job):
             return {}
         was_training = self.model.training
         self.model.eval()
-        total, sums = 0, {}
-        for batch in self.batches(self.eval_examples, self.cfg.eval_batch_size):
+        total, sums = 0, {"loss": 0.0}
+        for batch in self.batches(dist.shard(self.eval_examples), self.cfg.eval_batch_size):
             loss_sum, metric_sums = self.loss(batch)
             total += self.units(batch)
             for k, v in {"loss": loss_sum, **metric_sums}.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
         self.model.train(was_training)
-        return {f"eval/{k}": v / max(total, 1) for k, v in sums.items()}
+        keys = sorted(sums)
+        *values, total = dist.sum_floats([sums[k] for k in keys] + [total])
+        return {f"eval/{k}": v / max(total, 1) for k, v in zip(keys, values, strict=True)}
 
     def save(self, path: Path) -> None:
         save_model(self.model, self.tokenizer, path)

@@ -26,7 +26,10 @@ def output_dir(cfg) -> Path:
 
 
 def _note(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    from posttrain import dist
+
+    if dist.is_main():
+        print(message, file=sys.stderr, flush=True)
 
 
 def _finished(out: Path) -> list[Path]:
@@ -54,7 +57,9 @@ def check_output_dir(cfg, resume: Path | None) -> None:
         if out.exists():
             raise ConfigError(f"output_dir {out} is a file, not a directory")
         return
-    for line in ckpt.clean_partial(out):
+    from posttrain import dist
+
+    for line in (ckpt.clean_partial(out) if dist.is_main() else []):
         _note(line)
     finished = _finished(out)
     if not finished or not _replaces(cfg, resume) or cfg.overwrite:

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from posttrain import data as data_mod
-from posttrain import fast
+from posttrain import dist, fast
 from posttrain.builtin import task as builtin_task
 from posttrain.config import ConfigError, PPOConfig, RLConfig
 from posttrain.core import AdaptiveKLController, FixedKLController
@@ -71,6 +71,9 @@ class RLTrainer(Job):
         self.name = cfg.algo
         self.algo = cfg.algorithm()
         resume = loop.start_run(cfg)
+        if dist.world_size() > 1:
+            raise ConfigError("the on-policy trainers do not run under torchrun yet (SFT, rm "
+                              "and DPO do); run grpo/ppo as one process")
         self.tok = load_tokenizer(cfg.model, cfg.trust_remote_code)
         self.policy = loop.load_policy(cfg, str(resume or cfg.model))
         self.device = next(self.policy.parameters()).device

@@ -1,0 +1,106 @@
+"""The one place that talks to ``torch.distributed``: the world a run belongs to, the sums
+across ranks that make a step's update independent of the world size, and rank 0 as the
+only writer. Launch with ``torchrun --nproc_per_node N -m posttrain <command> ...``
+(multi-node: torchrun's ``--nnodes`` and rendezvous flags); gloo on CPU, NCCL on CUDA. A
+process started without torchrun is a world of one, and every function here is then a
+no-op.
+
+What is implemented: data parallelism for the offline trainers (SFT, reward model, DPO):
+each rank takes its share of every micro-batch, the loss is normalised by the unit count
+of the whole step across ranks, and the gradients are summed across ranks before the
+optimiser step, so N ranks compute the update of one. Not yet: the on-policy trainers,
+FSDP.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def launched() -> bool:
+    """Whether this process was started by torchrun (or another launcher that sets the
+    ``torch.distributed`` environment) for a world of more than one."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def init(device: torch.device | str = "cpu") -> None:
+    """Join the process group of a launched run (once); nothing for a world of one."""
+    import torch.distributed as td
+
+    if not launched() or td.is_initialized():
+        return
+    kind = torch.device(device).type
+    if kind == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    td.init_process_group("nccl" if kind == "cuda" else "gloo")
+
+
+def world_size() -> int:
+    import torch.distributed as td
+
+    return td.get_world_size() if td.is_available() and td.is_initialized() else 1
+
+
+def rank() -> int:
+    import torch.distributed as td
+
+    return td.get_rank() if td.is_available() and td.is_initialized() else 0
+
+
+def is_main() -> bool:
+    """Rank 0: the one process that prints, logs and writes files."""
+    return rank() == 0
+
+
+def barrier() -> None:
+    if world_size() > 1:
+        import torch.distributed as td
+
+        td.barrier()
+
+
+def sum_floats(values: list[float], device: torch.device | str = "cpu") -> list[float]:
+    """``values`` summed over ranks (float64), in one collective."""
+    if world_size() == 1:
+        return list(values)
+    import torch.distributed as td
+
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    td.all_reduce(t)
+    return t.tolist()
+
+
+def sum_gradients(params: list[torch.nn.Parameter]) -> None:
+    """Replace each gradient by its sum over ranks (one flat collective per dtype); a rank
+    whose parameter got no gradient contributes zeros."""
+    if world_size() == 1:
+        return
+    import torch.distributed as td
+
+    by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        by_dtype.setdefault(p.grad.dtype, []).append(p)
+    for group in by_dtype.values():
+        flat = torch.cat([p.grad.reshape(-1) for p in group])
+        td.all_reduce(flat)
+        offset = 0
+        for p in group:
+            n = p.grad.numel()
+            p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+            offset += n
+
+
+def shard(items: list) -> list:
+    """This rank's share of ``items``: every ``world_size``-th one from ``rank``."""
+    return items[rank()::world_size()]
+
+
+def close() -> None:
+    import torch.distributed as td
+
+    if td.is_available() and td.is_initialized():
+        td.destroy_process_group()
