@@ -72,6 +72,29 @@ def sum_floats(values: list[float], device: torch.device | str = "cpu") -> list[
     return t.tolist()
 
 
+def flat_gradients(params: list[torch.nn.Parameter]) -> torch.Tensor | None:
+    """With several ranks: one buffer holding every gradient of ``params`` (each ``.grad`` a
+    view into it, zeroed), so the sum across ranks is one collective on it with no copy in
+    or out; keep the views by zeroing with ``set_to_none=False``. None for a world of one or
+    mixed dtypes."""
+    if world_size() == 1 or len({p.dtype for p in params}) != 1:
+        return None
+    flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
+                       device=params[0].device)
+    offset = 0
+    for p in params:
+        p.grad = flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+    return flat
+
+
+def sum_flat(flat: torch.Tensor) -> None:
+    """Sum a :func:`flat_gradients` buffer across ranks, in place."""
+    import torch.distributed as td
+
+    td.all_reduce(flat)
+
+
 def sum_gradients(params: list[torch.nn.Parameter]) -> None:
     """Replace each gradient by its sum over ranks (one flat collective per dtype); a rank
     whose parameter got no gradient contributes zeros."""

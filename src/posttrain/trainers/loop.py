@@ -77,6 +77,9 @@ class Optim:
         """Optimiser steps left out because the gradient norm was not finite."""
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.opt = adamw(self.params, lr, weight_decay)
+        # several ranks: the gradients live in one buffer, summed in one collective
+        self.flat = dist.flat_gradients(self.params)
+        self._views = [p.grad.data_ptr() for p in self.params] if self.flat is not None else []
 
     def set_lr(self, scale: float) -> float:
         for group in self.opt.param_groups:
@@ -84,7 +87,12 @@ class Optim:
         return self.peak_lr * scale
 
     def step(self) -> float:
-        dist.sum_gradients(self.params)  # every rank now holds the whole step's gradient
+        # every rank now holds the whole step's gradient
+        if self.flat is not None and self._views == [
+                -1 if p.grad is None else p.grad.data_ptr() for p in self.params]:
+            dist.sum_flat(self.flat)  # autograd accumulated into the views, as it does
+        else:
+            dist.sum_gradients(self.params)
         return self._apply()
 
     def _apply(self) -> float:
@@ -99,7 +107,7 @@ class Optim:
                     else torch.nn.utils.clip_grad_norm_(self.params, float("inf")))
         norm = float(norm)
         if not math.isfinite(norm):
-            self.opt.zero_grad(set_to_none=True)
+            self.opt.zero_grad(set_to_none=self.flat is None)
             if self.on_nonfinite == "raise":
                 raise NonFiniteError(f"the gradient norm of the {self.name} is {norm}; stopped "
                                      "before the update (lower --lr, check the data and "
@@ -107,7 +115,7 @@ class Optim:
             self.skipped += 1
             return norm
         self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+        self.opt.zero_grad(set_to_none=self.flat is None)
         return norm
 
 
