@@ -155,14 +155,15 @@ def _quiet_transformers() -> None:
 
 
 def _one_line(e: BaseException) -> str:
-    """An exception as one line for the user: the message of a user error (bad config,
-    data, path, reward, non-finite value, ...) as it is; anything else with its type."""
+    """An exception as the one line the user sees: the message of a user error (bad config,
+    data, path, reward, non-finite value, ...) as it is; anything else with its type and
+    where the traceback is."""
     text = " ".join(str(e).split()) or type(e).__name__
     if len(text) > 600:
         text = text[:600] + " ..."
-    if isinstance(e, (ValueError, OSError, RuntimeError, ImportError)):
-        return text
-    return f"{type(e).__name__}: {text}"
+    if isinstance(e, (ValueError, OSError)):
+        return f"error: {text}"
+    return f"error: {type(e).__name__}: {text} (--debug shows the traceback)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -184,9 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # every failure is one line; --debug shows the traceback
         if debug:
             raise
-        print(f"error: {_one_line(e)} (--debug shows the traceback)"
-              if not isinstance(e, (ValueError, OSError)) else f"error: {_one_line(e)}",
-              file=sys.stderr)
+        print(_one_line(e), file=sys.stderr)
         return 2
 
 

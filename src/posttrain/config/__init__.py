@@ -84,19 +84,18 @@ def _convert(name: str, value, hint):
 # What users of other libraries (TRL, transformers' Trainer, OpenRLHF, verl) type for a key,
 # suggested by name when the key is unknown (one name per setting; no silent aliases).
 OTHER_NAMES = {
-    "learning_rate": "lr", "learning_rat": "lr", "lr_scheduler_type": "lr_schedule",
+    "learning_rate": "lr", "lr_scheduler_type": "lr_schedule",
     "warmup_steps": "warmup_ratio", "num_train_epochs": "epochs", "num_epochs": "epochs",
     "per_device_train_batch_size": "batch_size", "train_batch_size": "batch_size",
-    "gradient_accumulation_steps": "grad_accum", "max_grad_norm_clip": "max_grad_norm",
-    "grad_clip": "max_grad_norm", "logging_steps": "log_every", "save_steps": "save_every",
+    "gradient_accumulation_steps": "grad_accum", "grad_clip": "max_grad_norm",
+    "logging_steps": "log_every", "save_steps": "save_every",
     "eval_steps": "eval_every", "model_name_or_path": "model", "pretrain": "model",
     "dataset": "data", "train_file": "data", "num_generations": "group_size",
     "n_samples_per_prompt": "group_size", "max_completion_length": "max_new_tokens",
     "generate_max_len": "max_new_tokens", "epsilon": "clip_low", "epsilon_high": "clip_high",
     "eps_clip": "clip_low", "init_kl_coef": "reward_kl_coef", "kl_ctl": "reward_kl_coef",
-    "num_iterations": "ppo_epochs", "ppo_epochs_per_step": "ppo_epochs",
-    "loss_type_dpo": "loss_type", "resume_from_checkpoint": "resume_from",
-    "torch_dtype": "dtype", "bf16": "dtype", "seed_value": "seed",
+    "num_iterations": "ppo_epochs", "resume_from_checkpoint": "resume_from",
+    "torch_dtype": "dtype", "bf16": "dtype",
 }
 
 

@@ -107,8 +107,7 @@ def diagnose(path: str) -> str | None:
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             return f"{f}: not valid JSON ({e})"
     for f in sorted(root.glob("*.safetensors")):
-        raw = f.open("rb")
-        with raw:
+        with f.open("rb") as raw:
             head = raw.read(8)
             try:
                 n = struct.unpack("<Q", head)[0]

@@ -185,7 +185,7 @@ class RLTrainer(Job):
         train_policy = step > getattr(cfg, "critic_warmup_steps", 0)
         recorded = None if old is not None else (torch.zeros_like(mask),
                                                  torch.zeros_like(valid))
-        x = UpdateInputs(mask, adv, old, ref, old_values, returns, live, live, recorded)
+        x = UpdateInputs(mask, adv, old, ref, old_values, returns, live, recorded)
         critic_opt = self.optimizers[1] if self.critic is not None else None
         sums, n_steps, n_critic = run_updates(
             self.policy, self.critic, algo, tokens, x,

@@ -17,9 +17,9 @@ from posttrain.trainers.online.batch import TokenBatch
 
 @dataclass
 class UpdateInputs:
-    """What the update reads, all ``(N, Lc)`` but ``policy_rows``/``critic_rows`` ``(N,)``:
-    the rows each model trains on (the policy skips rows whose advantage is zero where that
-    means zero gradient)."""
+    """What the update reads, all ``(N, Lc)`` but ``rows`` ``(N,)``: the rows that go
+    through the forward and backward (without a critic, rows whose advantage is zero where
+    that means zero gradient are left out)."""
 
     mask: torch.Tensor
     advantages: torch.Tensor
@@ -27,8 +27,7 @@ class UpdateInputs:
     ref_logprobs: torch.Tensor | None
     old_values: torch.Tensor | None
     returns: torch.Tensor | None
-    policy_rows: torch.Tensor
-    critic_rows: torch.Tensor
+    rows: torch.Tensor
     recorded: tuple[torch.Tensor, torch.Tensor] | None = None
     """Without old log-probs: ``(N, Lc)`` and ``(N,)`` buffers the first pass fills with the
     policy's log-probs at the sampling weights and the rows it computed (the sampler-parity
@@ -100,7 +99,7 @@ def run_updates(policy, critic, algo: Algorithm, tokens: TokenBatch, x: UpdateIn
     sums: dict[str, float] = {}
     n_steps = n_critic_steps = 0
     N = len(x.advantages)
-    live = x.policy_rows | x.critic_rows if critic is not None else x.policy_rows
+    live = x.rows
     for _ in range(cfg.ppo_epochs):
         perm = torch.randperm(N, generator=generator).to(x.mask.device)
         for i in range(0, N, cfg.minibatch_size):
@@ -110,16 +109,16 @@ def run_updates(policy, critic, algo: Algorithm, tokens: TokenBatch, x: UpdateIn
             if not live[idx].any():
                 continue
             m: dict[str, float] = {}
-            if policy_opt is not None and x.policy_rows[idx].any():
+            if policy_opt is not None:
                 m.update(accumulate_policy_gradient(
                     policy, algo, tokens, x.mask, idx, x.advantages, x.old_logprobs,
-                    x.ref_logprobs, x.policy_rows, cfg.micro_batch_size, cfg.max_new_tokens,
+                    x.ref_logprobs, live, cfg.micro_batch_size, cfg.max_new_tokens,
                     x.recorded))
                 m["grad_norm"] = policy_opt.step()
                 n_steps += 1
             if critic is not None:
                 m.update(accumulate_value_gradient(critic, algo, tokens, x.mask, idx,
-                                                   x.old_values, x.returns, x.critic_rows,
+                                                   x.old_values, x.returns, live,
                                                    cfg.micro_batch_size))
                 m["critic_grad_norm"] = critic_opt.step()
                 n_critic_steps += 1
