@@ -1,8 +1,11 @@
-"""Weak scaling of the data-parallel offline trainers on the CPU: N ranks of one thread each,
-each with the per-rank work of a one-rank, one-thread run, against that run (gloo).
+"""Weak scaling of the data-parallel trainers on the CPU: N ranks of one thread each, each
+with the per-rank work of a one-rank, one-thread run, against that run (gloo).
 
-    python benchmarks/weak_scaling.py [--command sft|dpo] [--size medium] [--ranks 2]
-        [--repeats 3] [--steps 12]
+    python benchmarks/weak_scaling.py [--command sft|rm|dpo|grpo] [--size medium]
+        [--ranks 2] [--per_rank_batch 8] [--repeats 3] [--steps 12]
+
+``--per_rank_batch`` is examples (offline) or prompts (grpo: 8 completions of up to 16 new
+tokens each) per rank.
 
 Prints the median step time (steps 3 onwards) of each layout, alternating them run by run,
 and their ratio: 1.0 is perfect weak scaling; the excess is the cost of the gradient
@@ -29,7 +32,9 @@ def _run(command: str, model: Path, ranks: int, batch: int, steps: int, work: Pa
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc_per_node", str(ranks)] if ranks > 1 else [sys.executable])
-    args = ["-m", "posttrain", command, "--model", str(model), "--batch_size", str(batch),
+    size = (["--prompts_per_step", str(batch), "--group_size", "8", "--max_new_tokens", "16",
+             "--eval_every", "0"] if command == "grpo" else ["--batch_size", str(batch)])
+    args = ["-m", "posttrain", command, "--model", str(model), *size,
             "--max_steps", str(steps), "--log_every", "1", "--device", "cpu",
             "--tensorboard", "false", "--builtin_train_size", "512", "--builtin_eval_size", "16",
             "--output_dir", str(out)]
@@ -42,7 +47,7 @@ def _run(command: str, model: Path, ranks: int, batch: int, steps: int, work: Pa
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--command", default="sft", choices=["sft", "rm", "dpo"])
+    p.add_argument("--command", default="sft", choices=["sft", "rm", "dpo", "grpo"])
     p.add_argument("--size", default="medium", choices=list(SIZES))
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--per_rank_batch", type=int, default=8)

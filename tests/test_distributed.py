@@ -1,12 +1,15 @@
-"""torchrun on the CPU (gloo, 2 processes of one thread): the offline trainers compute on 2
-ranks the update they compute in one process, and a 2-rank run resumes exactly."""
+"""torchrun on the CPU (gloo, 2 processes of one thread): every trainer computes on 2 ranks
+the update it computes in one process, and a 2-rank run killed after a checkpoint resumes
+to the end of the uninterrupted 2-rank run."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,18 +21,54 @@ ARGS = ["--batch_size", "8", "--grad_accum", "2", "--max_steps", "4", "--builtin
         "--lr", "1e-3", "--log_every", "1", "--warmup_ratio", "0"]
 
 
+# on-policy runs at an RL learning rate (1e-5): AdamW moves each weight by about lr per step
+# whatever its gradient's size, so a component the group baseline cancels to rounding noise
+# moves by up to lr either way in either run, and the weights can agree only to ~lr·steps
+# there (at 1e-4 one weight in 16k differed by 1.4e-5). AdamW's scale invariance also hides
+# a gradient off by a constant factor, which the gradient norms compared at every step catch.
+# The built-in SFT'd start (a random model's groups are all wrong, which
+# leaves DAPO's dynamic sampling nothing to keep); 3 prompts on 2 ranks, an uneven share
+RL = {
+    "grpo": ["--prompts_per_step", "3", "--group_size", "4", "--max_new_tokens", "8",
+             "--kl_coef", "0.04", "--minibatch_size", "6"],
+    "dapo": ["--prompts_per_step", "3", "--group_size", "4", "--max_new_tokens", "8",
+             "--dynamic_sampling_rounds", "3"],
+    "ppo": ["--prompts_per_step", "3", "--group_size", "2", "--max_new_tokens", "8",
+            "--ppo_epochs", "2", "--minibatch_size", "4", "--critic_lr", "1e-5"],
+}
+RL_ARGS = ["--lr", "1e-5", "--max_steps", "4", "--builtin_train_size", "32",
+           "--builtin_eval_size", "5", "--eval_every", "2", "--log_every", "1", "--device", "cpu", "--tensorboard",
+           "false", "--seed", "3"]
+
+
+def _launch(ranks: int) -> list[str]:
+    return ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+             "--standalone"] if ranks > 1 else [sys.executable])
+
+
+def _rl_args(name: str, out: Path, *extra: str) -> list[str]:
+    command = "ppo" if name == "ppo" else "grpo"
+    algo = [] if name == "ppo" else ["--algo", name]
+    return [command, "--model", "builtin", *algo, *RL[name], *RL_ARGS, "--output_dir",
+            str(out), *extra]
+
+
 def _run(command: str, model: str, out: Path, ranks: int, *extra: str) -> None:
+    args = ([command, "--model", model, *ARGS, "--output_dir", str(out), *extra]
+            if command in ("sft", "rm", "dpo") else _rl_args(command, out, *extra))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    launch = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-               "--standalone"] if ranks > 1 else [sys.executable])
-    proc = subprocess.run([*launch, "-m", "posttrain", command, "--model", model, *ARGS,
-                           "--output_dir", str(out), *extra], env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run([*_launch(ranks), "-m", "posttrain", *args], env=env,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def _weights(out: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(out / "final" / "model.safetensors"))
+    final = out / "final"
+    weights = load_file(str(final / "model.safetensors"))
+    if (final / "critic").exists():
+        weights.update({f"critic.{k}": v for k, v in
+                        load_file(str(final / "critic" / "model.safetensors")).items()})
+    return weights
 
 
 def _rows(out: Path) -> list[dict]:
@@ -56,20 +95,91 @@ def test_two_ranks_compute_the_update_of_one(command, tiny_model_dir, tmp_path):
                 assert y[key] == pytest.approx(x[key], rel=1e-5), key
 
 
-def test_a_two_rank_run_resumes_exactly(tiny_model_dir, tmp_path):
-    whole = tmp_path / "whole"
-    _run("sft", tiny_model_dir, whole, 2, "--save_every", "2", "--lr_schedule", "constant")
-    again = tmp_path / "again"
-    _run("sft", tiny_model_dir, again, 2, "--save_every", "2", "--lr_schedule", "constant",
-         "--resume_from", str(whole / "checkpoint-2"))
-    a, b = _weights(whole), _weights(again)
-    assert all(torch.equal(a[k], b[k]) for k in a)
+@pytest.mark.parametrize("name", sorted(RL))
+def test_two_ranks_compute_the_on_policy_update_of_one(name, tmp_path):
+    """Each rank samples its own prompt groups (3 prompts on 2 ranks: 2 and 1); with the
+    sampling draws fixed by (seed, step, slot), the same completions are drawn, so every
+    reward, dynamic-sampling decision and count agrees exactly with the single process,
+    the final weights (and PPO's critic) within 1e-5, and the float metrics to rounding."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    _run(name, "", one, 1)
+    _run(name, "", two, 2)
+    a, b = _weights(one), _weights(two)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-5)
+    rows_a, rows_b = _rows(one), _rows(two)
+    assert len(rows_a) == len(rows_b) == 6  # the start, 4 steps, the final evaluation
+    exact = ("reward/", "groups/", "sampling/rounds", "completion/", "optim/", "eval/",
+             "start/", "samples/", "step")
+    for x, y in zip(rows_a, rows_b, strict=True):
+        assert x.keys() == y.keys()
+        for k, v in x.items():
+            if k.startswith(exact):
+                assert y[k] == v, k
+            elif not k.startswith(("time/", "sampling/logprob_gap")):
+                # float32 sums in another order; an O(1e-3) metric (KL) has O(1e-10) error
+                assert y[k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
+    if name == "dapo":  # dynamic sampling took part: groups were dropped and refilled
+        assert sum(r.get("groups/dropped", 0) for r in rows_a) > 0
 
 
-def test_the_on_policy_trainers_refuse_to_run_on_several_ranks(tiny_model_dir, tmp_path):
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds torchrun's workers in /proc")
+@pytest.mark.parametrize("name", ["sft", "dapo", "ppo"])
+def test_a_two_rank_run_killed_after_a_checkpoint_resumes_exactly(name, tiny_model_dir,
+                                                                  tmp_path):
+    """torchrun and both ranks SIGKILLed once checkpoint-2 exists (the killed run is given
+    far more steps, so the kill lands mid-run; with a constant schedule nothing depends on
+    max_steps), resumed on 2 ranks from that checkpoint: the weights equal the
+    uninterrupted 2-rank run's bit for bit."""
+    constant = ("--lr_schedule", "constant", "--warmup_ratio", "0", "--save_every", "2")
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    _run(name, tiny_model_dir, whole, 2, *constant)
+    args = ([name, "--model", tiny_model_dir, *ARGS, "--output_dir", str(killed)]
+            if name == "sft" else _rl_args(name, killed))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                           "2", "--standalone", "-m", "posttrain", "grpo", "--model",
-                           tiny_model_dir, "--output_dir", str(tmp_path / "o"), "--device",
-                           "cpu"], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and "do not run under torchrun yet" in proc.stderr
+    proc = subprocess.Popen([*_launch(2), "-m", "posttrain", *args, *constant, "--max_steps",
+                             "100000"], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    first = killed / "checkpoint-2"
+    deadline = time.monotonic() + 120
+    while not first.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    for pid in [*_descendants(proc.pid), proc.pid]:  # both ranks, then the launcher
+        os.kill(pid, signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL  # killed mid-run, not finished
+    assert first.exists() and not (killed / "final").exists()
+    _run(name, tiny_model_dir, killed, 2, *constant, "--resume_from", str(first))
+    a, b = _weights(whole), _weights(killed)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [r["step"] for r in _rows(killed)] == [r["step"] for r in _rows(whole)]
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (torchrun's workers run in sessions of their own, so a
+    process-group kill misses them), from /proc."""
+    parent = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parent[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        kids = [p for p, pp in parent.items() if pp in frontier]
+        found += kids
+        frontier = kids
+    return found
+
+
+def test_too_few_prompts_for_the_ranks_is_refused(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([*_launch(2), "-m", "posttrain", "grpo", "--model", "builtin",
+                           "--prompts_per_step", "1", "--output_dir", str(tmp_path / "o"),
+                           "--device", "cpu"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode != 0 and "at least one prompt per rank" in proc.stderr
+    assert not (tmp_path / "o").exists()

@@ -131,7 +131,7 @@ def test_gradient_independent_of_micro_batching(tiny_model_dir, tmp_path, rl_fil
                              kl_coef=0.04))
     policy = trainer.policy.double()
     algo_rec = get_algorithm(algo, kl_coef=0.04)
-    exp = trainer.experience.collect()
+    exp = trainer.experience.collect(1)
     tokens = TokenBatch(exp.rollout, trainer.tok.pad_token_id, "cpu", share)
     mask = tokens.completion_mask.double()
     idx = torch.arange(len(tokens))
@@ -145,7 +145,7 @@ def test_gradient_independent_of_micro_batching(tiny_model_dir, tmp_path, rl_fil
     for micro in (64, 16, 1):
         policy.zero_grad()
         accumulate_policy_gradient(policy, algo_rec, tokens, mask, idx, adv, old * 0.999, ref,
-                                   live, micro, max_new_tokens=4)
+                                   live, torch.arange(len(adv)), micro, max_new_tokens=4)
         grads.append(torch.cat([p.grad.flatten() for p in policy.parameters()]))
     assert grads[0].abs().max() > 0
     torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=1e-6)
@@ -160,7 +160,7 @@ def test_shared_prompt_layout_equals_full_sequences(tiny_model_dir, tmp_path, rl
     reward, data = rl_files
     trainer = RLTrainer(_cfg(tiny_model_dir, tmp_path, "grpo", data=str(data),
                              reward=f"{reward}:by_len", prompts_per_step=4, group_size=4))
-    exp = trainer.experience.collect()
+    exp = trainer.experience.collect(1)
     a = TokenBatch(exp.rollout, trainer.tok.pad_token_id, "cpu", True)
     b = TokenBatch(exp.rollout, trainer.tok.pad_token_id, "cpu", False)
     for rows in (torch.arange(len(a)), torch.tensor([1, 2, 7, 9, 15])):
@@ -319,7 +319,7 @@ def test_log_probs_at_the_sampling_temperature_match_the_sampler(backend, tmp_pa
                    tensorboard=False, kl_coef=0.0)
     cfg.validate()
     trainer = RLTrainer(cfg)
-    exp = trainer.experience.collect()
+    exp = trainer.experience.collect(1)
     mask = exp.rollout.completion_mask.bool()
     sampled = exp.rollout.logprobs[mask].double()
     bound = 2 * rel_bound(model_stages(trainer.policy.config, backward=False),

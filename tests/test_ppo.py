@@ -108,7 +108,7 @@ def test_critic_gradient_independent_of_micro_batching(tiny_model_dir, tmp_path,
     trainer = RLTrainer(_cfg(tiny_model_dir, tmp_path, prompts_per_step=4, group_size=4,
                              temperature=1.5))
     critic = trainer.critic.double()
-    exp = trainer.experience.collect()
+    exp = trainer.experience.collect(1)
     tokens = TokenBatch(exp.rollout, trainer.tok.pad_token_id, "cpu", share)
     n = len(tokens)
     assert n == 16
@@ -129,7 +129,7 @@ def test_critic_gradient_independent_of_micro_batching(tiny_model_dir, tmp_path,
     for micro in (n, n // 4, 1):
         critic.zero_grad(set_to_none=True)
         m = accumulate_value_gradient(critic, trainer.algo, tokens, mask, idx, old_values,
-                                      returns, live, micro)
+                                      returns, live, torch.arange(n), micro)
         clip_fracs.append(m["value_clip_frac"])
         grads.append(torch.cat([p.grad.flatten() for p in critic.parameters()]))
     assert 0 < clip_fracs[0] < 1, clip_fracs  # the clip is active, not everywhere
@@ -144,7 +144,7 @@ def test_values_shared_prompt_equal_full_sequences(tiny_model_dir, tmp_path):
     full sequences, for all rows and for a subset that splits groups; 0 under the mask."""
     trainer = RLTrainer(_cfg(tiny_model_dir, tmp_path, prompts_per_step=4, group_size=4,
                              temperature=1.5))
-    exp = trainer.experience.collect()
+    exp = trainer.experience.collect(1)
     shared = TokenBatch(exp.rollout, trainer.tok.pad_token_id, "cpu", True)
     full = TokenBatch(exp.rollout, trainer.tok.pad_token_id, "cpu", False)
     for rows in (torch.arange(len(full)), torch.tensor([1, 2, 7, 9, 15])):

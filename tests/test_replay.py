@@ -275,7 +275,7 @@ def test_replay_refuses_activations_once_the_policy_has_stepped(tiny_model_dir, 
     monkeypatch.setattr(batch, "packing_pays", lambda *a, **k: False)
     reward, data = _task_files(tmp_path)
     trainer = _rl_trainer(tiny_model_dir, tmp_path / "run", reward, data, True)
-    exp = trainer.experience.collect()
+    exp = trainer.experience.collect(1)
     tokens = TokenBatch(exp.rollout, trainer.tok.pad_token_id, "cpu", share_prompt=True)
     assert tokens.activations is not None
     rows = torch.arange(len(tokens))

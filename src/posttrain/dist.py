@@ -5,11 +5,14 @@ only writer. Launch with ``torchrun --nproc_per_node N -m posttrain <command> ..
 process started without torchrun is a world of one, and every function here is then a
 no-op.
 
-What is implemented: data parallelism for the offline trainers (SFT, reward model, DPO):
+What is implemented: data parallelism for every trainer. Offline (SFT, reward model, DPO):
 each rank takes its share of every micro-batch, the loss is normalised by the unit count
 of the whole step across ranks, and the gradients are summed across ranks before the
-optimiser step, so N ranks compute the update of one. Not yet: the on-policy trainers,
-FSDP.
+optimiser step, so N ranks compute the update of one. On-policy (the GRPO family, PPO):
+each rank samples and scores whole prompt groups, the step's samples are gathered so that
+every rank holds the same experience (scores, masks, advantages, every decision), each
+rank runs the passes and the backward of its own samples, and the gradients are summed.
+Not yet: FSDP.
 """
 
 from __future__ import annotations
@@ -115,6 +118,31 @@ def sum_gradients(params: list[torch.nn.Parameter]) -> None:
             n = p.grad.numel()
             p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
             offset += n
+
+
+def gather_objects(obj) -> list:
+    """Every rank's ``obj``, in rank order (``[obj]`` for a world of one). For small
+    things: a step's token ids, scores and texts, a dict of metric sums."""
+    if world_size() == 1:
+        return [obj]
+    import torch.distributed as td
+
+    out: list = [None] * world_size()
+    td.all_gather_object(out, obj)
+    return out
+
+
+def assemble(local: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
+    """The ``(n, ...)`` tensor whose rows ``rows`` are this rank's ``local`` and whose other
+    rows come from the ranks that hold them (each row held by one rank): one all-reduce
+    of a zero-filled tensor, exact, since a row's value meets only zeros."""
+    out = local.new_zeros((n, *local.shape[1:]))
+    out[rows.to(out.device)] = local
+    if world_size() > 1:
+        import torch.distributed as td
+
+        td.all_reduce(out)
+    return out
 
 
 def shard(items: list) -> list:

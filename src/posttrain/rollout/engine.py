@@ -25,6 +25,8 @@ incremental and the full forward.
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 from transformers import DynamicCache
 
@@ -41,7 +43,8 @@ class RolloutEngine:
     """Whether ``generate(..., capture=True)`` returns the projections' outputs."""
 
     def generate(self, prompts: list[str], n: int = 1, params: SamplingParams | None = None,
-                 generator: torch.Generator | None = None, capture: bool = False) -> Rollout:
+                 generator: torch.Generator | None = None, capture: bool = False,
+                 uniforms: torch.Tensor | None = None) -> Rollout:
         raise NotImplementedError
 
     def update_weights(self, policy) -> None:
@@ -51,9 +54,10 @@ class RolloutEngine:
         pass
 
 
-def sample_tokens(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row from ``logits`` (R, V); return (tokens, log-probs)."""
+def sample_tokens(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None,
+                  u: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row from ``logits`` (R, V); return (tokens, log-probs). ``u``
+    (R,): each row's uniform number in [0, 1); drawn from ``gen`` when None."""
     logits = logits.float()
     if p.temperature == 0:
         tokens = logits.argmax(-1)
@@ -73,12 +77,23 @@ def sample_tokens(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator 
     # Inverse-CDF sampling: one uniform number per row (torch.multinomial, or a Gumbel /
     # exponential race, draw one per vocabulary entry, which dominates a small model's step).
     cdf = logp.exp().cumsum(-1)
-    # drawn on the generator's device (a CPU generator drives a CUDA policy too), then moved
-    u = torch.rand(len(cdf), 1, generator=gen,
-                   device=gen.device if gen is not None else cdf.device).to(cdf.device)
-    u = u * cdf[:, -1:]
+    if u is None:  # drawn on the generator's device (a CPU generator drives a CUDA policy too)
+        u = torch.rand(len(cdf), generator=gen,
+                       device=gen.device if gen is not None else cdf.device)
+    u = u.to(cdf.device, torch.float32)[:, None] * cdf[:, -1:]
     tokens = torch.searchsorted(cdf, u).squeeze(-1).clamp_max(cdf.shape[-1] - 1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+def sampling_uniforms(seed: int, step: int, round_: int, rows: int, columns: int
+                      ) -> torch.Tensor:
+    """The uniform numbers of one RL step's sampling round, ``(rows, columns)``: row ``i``
+    for sample ``i`` of the round (prompt slot ``i // G``), from a generator seeded by
+    ``(seed, step, round)`` alone, so the samples drawn depend neither on how the prompts
+    are spread over ranks nor on what else a batch holds."""
+    digest = hashlib.sha256(f"posttrain-sampling/{seed}/{step}/{round_}".encode()).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    return torch.rand(rows, columns, generator=gen)
+
 
 def compaction(live: torch.Tensor) -> torch.Tensor:
     """The rows to keep, in their new cache order, when only ``live`` (R,) rows go on: slot
@@ -114,9 +129,14 @@ class DecodingEngine(RolloutEngine):
 
     @torch.no_grad()
     def generate(self, prompts: list[str], n: int = 1, params: SamplingParams | None = None,
-                 generator: torch.Generator | None = None, capture: bool = False) -> Rollout:
+                 generator: torch.Generator | None = None, capture: bool = False,
+                 uniforms: torch.Tensor | None = None) -> Rollout:
         """Sample ``n`` completions for each prompt (see the module docstring). ``capture``:
-        keep the projections' outputs in ``Rollout.activations`` (engines that can only)."""
+        keep the projections' outputs in ``Rollout.activations`` (engines that can only).
+        ``uniforms`` ``(P·n, max_new_tokens)``: the number in [0, 1) that picks sample
+        ``i``'s token ``t`` (instead of ``generator``), so each sample's draws are its own
+        whatever else is in the batch (the trainers derive them from seed, step and prompt
+        slot: :func:`sampling_uniforms`)."""
         model, tokenizer = self.model, self.tokenizer
         params = params or SamplingParams()
         params.validate()
@@ -128,6 +148,8 @@ class DecodingEngine(RolloutEngine):
 
         ids, mask = pad_left(prompt_ids, pad_id)  # every prompt ends at column Lp - 1
         ids, mask = ids.to(device), mask.to(device)
+        if uniforms is not None:
+            uniforms = uniforms.to(device)
         positions = (mask.cumsum(-1) - 1).clamp_min(0)
 
         was_training = model.training
@@ -149,7 +171,10 @@ class DecodingEngine(RolloutEngine):
         stop = params.stop
         steps = 0
         for t in range(T):
-            tok, lp = sample_tokens(logits, params, generator)
+            u = None
+            if uniforms is not None:
+                u = uniforms[:, t] if active is None else uniforms[active, t]
+            tok, lp = sample_tokens(logits, params, generator, u)
             if active is None:
                 tokens[:, t], logps[:, t] = tok, lp
             else:

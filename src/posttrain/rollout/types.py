@@ -64,10 +64,10 @@ def select(r: Rollout, rows: torch.Tensor) -> Rollout:
                    texts=[r.texts[i] for i in idx],
                    activations=None if r.activations is None else r.activations.rows(rows))
 
-def concat(rollouts: list[Rollout], pad_id: int) -> Rollout:
-    """One rollout from several; completions are re-padded to the longest, and group ids
-    renumbered so groups stay distinct."""
-    T = max(r.completion_ids.shape[1] for r in rollouts)
+def concat(rollouts: list[Rollout], pad_id: int, width: int = 0) -> Rollout:
+    """One rollout from several; completions are re-padded to the longest (or ``width``
+    columns, if more), and group ids renumbered so groups stay distinct."""
+    T = max(width, *(r.completion_ids.shape[1] for r in rollouts))
 
     def pad(x: torch.Tensor, value) -> torch.Tensor:
         return torch.nn.functional.pad(x, (0, T - x.shape[1]), value=value)

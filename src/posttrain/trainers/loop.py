@@ -338,7 +338,9 @@ def run(cfg, job: Job, total_steps: int) -> dict[str, float]:
     if cfg.resume_from:
         step0 = load_checkpoint(Path(cfg.resume_from), job, window)
         run_id = json.loads((Path(cfg.resume_from) / ckpt.MANIFEST).read_text())["run_id"]
-        ckpt.truncate_metrics(out / "metrics.jsonl", step0)
+        if dist.is_main():  # one writer: another rank's repair would orphan rank 0's file
+            ckpt.truncate_metrics(out / "metrics.jsonl", step0)
+        dist.barrier()
         print(f"[{job.name}] resumed from {cfg.resume_from} at step {step0}", file=sys.stderr,
               flush=True)
     writer = MetricsWriter(out, cfg.tensorboard)

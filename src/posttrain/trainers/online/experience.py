@@ -14,12 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
+from posttrain import dist
 from posttrain.builtin import task as builtin_task
 from posttrain.core import RunningMoments, groups_with_signal, overlong_penalty
 from posttrain.core.algorithms import Algorithm
 from posttrain.rewards import reward_columns
 from posttrain.rewards import score as score_rewards
 from posttrain.rollout import Rollout, RolloutEngine, SamplingParams, concat, select
+from posttrain.rollout.engine import sampling_uniforms
 
 
 @dataclass
@@ -37,6 +39,11 @@ class Experience:
     """Seconds spent sampling (every round)."""
     reward_s: float = 0.0
     """Seconds spent scoring (every round)."""
+    local: Rollout | None = None
+    """This rank's samples (rows ``own`` of ``rollout``, with the projections' outputs
+    when captured); ``rollout`` itself in a world of one."""
+    own: torch.Tensor | None = None
+    """(n,) the rows of ``rollout`` this rank sampled, ascending."""
 
 
 class ExperienceMaker:
@@ -85,26 +92,39 @@ class ExperienceMaker:
             return torch.tensor(builtin_task.reward(prompts, completions, **columns)) >= 1
         return next(iter(terms.values())).nan_to_num() >= 1
 
-    def collect(self) -> Experience:
-        """Sample and score a step's groups (refilling with dynamic sampling)."""
-        cfg, want = self.cfg, self.cfg.prompts_per_step
-        parts, kept, dropped, rounds = [], 0, 0, 0
+    def collect(self, step: int) -> Experience:
+        """Sample and score a step's groups (refilling with dynamic sampling). With several
+        ranks each samples and scores its own prompt slots (every ``world``-th from its
+        rank) and the round is gathered, so every rank decides on the same samples."""
+        cfg, want, G = self.cfg, self.cfg.prompts_per_step, self.cfg.group_size
+        parts, locals_, owns = [], [], []
+        kept = dropped = rounds = offset = 0
         t_gen = t_reward = 0.0
         while kept < want and rounds < (cfg.dynamic_sampling_rounds
                                          if self.algo.dynamic_sampling else 1):
             rounds += 1
             rows = self.next_rows(want)
+            slots = list(range(dist.rank(), want, dist.world_size()))
+            uniforms = sampling_uniforms(cfg.seed, step, rounds, want * G, cfg.max_new_tokens)
+            uniforms = uniforms.view(want, G, -1)[slots].flatten(0, 1)
             t0 = time.perf_counter()
-            rollout = self.engine.generate([r["prompt"] for r in rows], cfg.group_size,
-                                           self.params, self.gen, capture=self.capture)
+            local = self.engine.generate([rows[j]["prompt"] for j in slots], G, self.params,
+                                         capture=self.capture, uniforms=uniforms)
             t1 = time.perf_counter()
-            total, terms, valid, correct = self.score(rows, rollout)
+            scored = self.score([rows[j] for j in slots], local)
             t_gen, t_reward = t_gen + t1 - t0, t_reward + time.perf_counter() - t1
+            rollout, (total, terms, valid, correct), own = self._gather(local, scored, slots)
             if self.algo.dynamic_sampling:
                 signal = groups_with_signal(total, rollout.group_ids)
                 groups = rollout.group_ids[signal].unique()[: want - kept]
                 keep = torch.isin(rollout.group_ids, groups).nonzero().squeeze(-1)
-                dropped += len(rows) - int(signal.view(-1, cfg.group_size).any(-1).sum())
+                dropped += len(rows) - int(signal.view(-1, G).any(-1).sum())
+                mine = torch.zeros(len(total), dtype=torch.bool)
+                mine[own] = True
+                position = torch.full((len(total),), -1, dtype=torch.long)
+                position[own] = torch.arange(len(own))
+                local = select(local, position[keep[mine[keep]]])
+                own = mine[keep].nonzero().squeeze(-1)
                 rollout = select(rollout, keep)
                 total, valid, correct = total[keep], valid[keep], correct[keep]
                 terms = {k: v[keep] for k, v in terms.items()}
@@ -112,16 +132,52 @@ class ExperienceMaker:
             else:
                 kept += len(rows)
             parts.append((rollout, total, terms, valid, correct))
+            locals_.append(local)
+            owns.append(own + offset)
+            offset += len(total)
         if kept == 0:
             raise RuntimeError(
                 f"dynamic sampling found no group with different rewards in {rounds} rounds of "
                 f"{want} prompts: every group was all right or all wrong, so the data is too "
                 "easy or too hard for this policy (or the reward is constant)")
-        rollout = concat([p[0] for p in parts], self.tok.pad_token_id)
+        pad = self.tok.pad_token_id
+        rollout = concat([p[0] for p in parts], pad)
+        width = rollout.completion_ids.shape[1]
+        mine = [r for r in locals_ if len(r.texts)]
+        local = (rollout if dist.world_size() == 1
+                 else concat(mine, pad, width=width) if mine
+                 else select(rollout, torch.zeros(0, dtype=torch.long)))
         return Experience(rollout, torch.cat([p[1] for p in parts]),
                           {k: torch.cat([p[2][k] for p in parts]) for k in parts[0][2]},
                           torch.cat([p[3] for p in parts]), torch.cat([p[4] for p in parts]),
-                          rounds, dropped, t_gen, t_reward)
+                          rounds, dropped, t_gen, t_reward, local, torch.cat(owns))
+
+    def _gather(self, local: Rollout, scored: tuple, slots: list[int]):
+        """The round's samples of every rank in slot order (the order one process samples
+        them in), without the projections' outputs (they stay with ``local``); the scores
+        ``(total, terms, valid, correct)``; and the rows of this rank's samples."""
+        G = self.cfg.group_size
+        own = (torch.tensor(slots)[:, None] * G + torch.arange(G)).flatten()
+        if dist.world_size() == 1:
+            return local, scored, own
+        activations, local.activations = local.activations, None
+        gathered = dist.gather_objects((local, scored))
+        local.activations = activations
+        world, want = dist.world_size(), self.cfg.prompts_per_step
+        # rank r's k-th group is slot k·world + r
+        order = sorted(range(want), key=lambda j: (j % world, j // world))
+        rows = torch.empty(want * G, dtype=torch.long)
+        rows[(torch.tensor(order)[:, None] * G + torch.arange(G)).flatten()] = torch.arange(
+            want * G)
+        rollout = select(concat([r for r, _ in gathered if len(r.texts)],
+                                self.tok.pad_token_id), rows)
+        rollout.group_ids = torch.arange(want).repeat_interleave(G)
+        total, terms, valid, correct = (
+            torch.cat([s[0] for _, s in gathered])[rows],
+            {k: torch.cat([s[1][k] for _, s in gathered])[rows] for k in gathered[0][1][1]},
+            torch.cat([s[2] for _, s in gathered])[rows],
+            torch.cat([s[3] for _, s in gathered])[rows])
+        return rollout, (total, terms, valid, correct), own
 
     def shape_scores(self, scores: torch.Tensor, ro: Rollout, valid: torch.Tensor
                       ) -> torch.Tensor:

@@ -71,9 +71,10 @@ class RLTrainer(Job):
         self.name = cfg.algo
         self.algo = cfg.algorithm()
         resume = loop.start_run(cfg)
-        if dist.world_size() > 1:
-            raise ConfigError("the on-policy trainers do not run under torchrun yet (SFT, rm "
-                              "and DPO do); run grpo/ppo as one process")
+        if cfg.prompts_per_step < dist.world_size():
+            raise ConfigError(f"prompts_per_step={cfg.prompts_per_step} gives some of the "
+                              f"{dist.world_size()} ranks no prompt: each rank samples whole "
+                              "groups, so use at least one prompt per rank")
         self.tok = load_tokenizer(cfg.model, cfg.trust_remote_code)
         self.policy = loop.load_policy(cfg, str(resume or cfg.model))
         self.device = next(self.policy.parameters()).device
@@ -162,17 +163,19 @@ class RLTrainer(Job):
         algo = (self.algo.replace(reward_kl_coef=self.kl_ctl.value)
                 if self.algo.reward_kl_coef else self.algo)
         # 1. experience
-        exp = self.experience.collect()
+        exp = self.experience.collect(step)
         if not exp.valid.any():
             log.warning("step %d: every sample's reward failed (on_reward_error=skip): the "
                         "step learns nothing", step)
         t0 = time.perf_counter()
-        tokens = TokenBatch(exp.rollout, self.tok.pad_token_id, self.device, self.share_prompt,
-                            cfg.temperature)
+        # this rank's samples (all of them in a world of one); every other tensor of the
+        # step covers the whole step's samples, the same on every rank
+        tokens = (TokenBatch(exp.local, self.tok.pad_token_id, self.device, self.share_prompt,
+                             cfg.temperature) if len(exp.own) else None)
         valid = exp.valid.to(self.device)
-        mask = tokens.completion_mask.float() * valid[:, None]
+        mask = exp.rollout.completion_mask.to(self.device).float() * valid[:, None]
         # 2. passes: old log-probs, reference log-probs, old values
-        old, ref, old_values = self._passes(algo, tokens)
+        old, ref, old_values = self._passes(algo, tokens, exp.own, mask)
         t_passes = time.perf_counter()
         # 3. advantages
         scores = self.experience.shape_scores(exp.scores, exp.rollout, exp.valid).to(self.device)
@@ -185,17 +188,23 @@ class RLTrainer(Job):
         train_policy = step > getattr(cfg, "critic_warmup_steps", 0)
         recorded = None if old is not None else (torch.zeros_like(mask),
                                                  torch.zeros_like(valid))
-        x = UpdateInputs(mask, adv, old, ref, old_values, returns, live, recorded)
+        local_of = torch.full((len(mask),), -1, dtype=torch.long, device=self.device)
+        local_of[exp.own.to(self.device)] = torch.arange(len(exp.own), device=self.device)
+        x = UpdateInputs(mask, adv, old, ref, old_values, returns, live, local_of, recorded)
         critic_opt = self.optimizers[1] if self.critic is not None else None
         sums, n_steps, n_critic = run_updates(
             self.policy, self.critic, algo, tokens, x,
             self.optimizers[0] if train_policy else None, critic_opt, cfg, self.gen)
         t_update = time.perf_counter()
+        if recorded is not None and dist.world_size() > 1:  # every rank's rows
+            own = exp.own.to(self.device)
+            recorded = (dist.assemble(recorded[0][own], own, len(mask)),
+                        dist.assemble(recorded[1][own].float(), own, len(mask)).bool())
         # 5. the sampler follows the policy; metrics
         self.engine.update_weights(self.policy)
         # a batch packed into one call replays nothing, so the next rollouts need not
         # capture (batches of a run are alike)
-        self.packed = bool(self.share_prompt and tokens.packed)
+        self.packed = bool(self.share_prompt and tokens is not None and tokens.packed)
         self.experience.capture = self.reuse_rollout_forward and not self.packed
         times = {"generate": exp.generate_s, "reward": exp.reward_s,
                  "passes": t_passes - t0, "update": t_update - t_passes}
@@ -210,22 +219,31 @@ class RLTrainer(Job):
             self.kl_ctl.update(kl, int(valid.sum()))
         return StepResult(values=record)
 
-    def _passes(self, algo, tokens: TokenBatch):
+    def _passes(self, algo, tokens: TokenBatch | None, own: torch.Tensor, mask: torch.Tensor):
         """Old log-probs (None when the first update's ratio is exactly 1 and no reward KL
         needs them), reference log-probs (None without a reference), old values (None
-        without a critic)."""
+        without a critic), each ``(N, Lc)`` over the step's samples: this rank computes
+        the rows ``own`` of its ``tokens`` (None: no rows) and gets the others'."""
         cfg = self.cfg
-        everyone = torch.arange(len(tokens), device=self.device)
-        several_updates = cfg.ppo_epochs > 1 or cfg.minibatch_size < len(tokens)
+        several_updates = cfg.ppo_epochs > 1 or cfg.minibatch_size < len(mask)
+        own = own.to(self.device)
+        everyone = torch.arange(len(own), device=self.device)
+
+        def whole(model, run):
+            if model is None:
+                return None
+            local = (run(model) if tokens is not None
+                     else mask.new_zeros((0, mask.shape[1])))
+            return dist.assemble(local.float(), own, len(mask))
+
         with torch.no_grad():
-            old = (tokens.logprobs(self.policy, everyone, replay=True)
+            old = (whole(self.policy, lambda m: tokens.logprobs(m, everyone, replay=True))
                    if several_updates or algo.reward_kl_coef != 0 else None)
-            old_values = (tokens.values(self.critic, everyone) if self.critic is not None
-                          else None)
+            old_values = whole(self.critic, lambda m: tokens.values(m, everyone))
         ref = None
         if self.ref is not None:
             with torch.inference_mode():
-                ref = tokens.logprobs(self.ref, everyone)
+                ref = whole(self.ref, lambda m: tokens.logprobs(m, everyone))
             ref = ref.clone()  # a normal tensor, usable next to autograd tensors
         return old, ref, old_values
 
@@ -241,19 +259,25 @@ class RLTrainer(Job):
 
     # --- the loop's other questions ----------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
-        """Greedy decoding through the run's engine on the held-out rows: task accuracy (as in
-        :meth:`ExperienceMaker.correct`) and the mean of the training reward."""
+        """Greedy decoding through the run's engine on the held-out rows (each rank its
+        share): task accuracy (as in :meth:`ExperienceMaker.correct`) and the mean of the
+        training reward."""
         if not self.eval_rows:
             return {}
-        rows = self.eval_rows
-        prompts = [r["prompt"] for r in rows]
-        completions = greedy_completions(self.engine, prompts, self.cfg.max_new_tokens,
-                                         self.cfg.eval_batch_size)
-        columns = reward_columns(rows)
-        total, terms, valid = score(self.rewards, prompts, completions, columns, "skip")
-        correct = self.experience.correct(prompts, completions, columns, terms)
-        return {"eval/accuracy": float(correct.float().mean()),
-                "eval/mean_reward": float(total[valid].mean()) if valid.any() else float("nan")}
+        rows = dist.shard(self.eval_rows)
+        n_correct = reward = n_valid = 0.0
+        if rows:
+            prompts = [r["prompt"] for r in rows]
+            completions = greedy_completions(self.engine, prompts, self.cfg.max_new_tokens,
+                                             self.cfg.eval_batch_size)
+            columns = reward_columns(rows)
+            total, terms, valid = score(self.rewards, prompts, completions, columns, "skip")
+            correct = self.experience.correct(prompts, completions, columns, terms)
+            n_correct, n_valid = float(correct.sum()), float(valid.sum())
+            reward = float(total[valid].double().sum())
+        n_correct, reward, n_valid = dist.sum_floats([n_correct, reward, n_valid])
+        return {"eval/accuracy": n_correct / len(self.eval_rows),
+                "eval/mean_reward": reward / n_valid if n_valid else float("nan")}
 
     def save(self, path: Path) -> None:
         """The actor as a Hugging Face directory at ``path``, the critic in ``path/critic``."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from posttrain import dist
 from posttrain.core import aggregate_loss, masked_mean, step_normalizer, value_loss
 from posttrain.core.algorithms import Algorithm, policy_objective
 from posttrain.trainers.loop import Optim
@@ -28,30 +29,41 @@ class UpdateInputs:
     old_values: torch.Tensor | None
     returns: torch.Tensor | None
     rows: torch.Tensor
+    local_of: torch.Tensor
+    """(N,) each row's index in this rank's :class:`TokenBatch`, -1 for another rank's
+    rows (each rank runs the forward and backward of its own samples only)."""
     recorded: tuple[torch.Tensor, torch.Tensor] | None = None
     """Without old log-probs: ``(N, Lc)`` and ``(N,)`` buffers the first pass fills with the
     policy's log-probs at the sampling weights and the rows it computed (the sampler-parity
     metric reads them)."""
 
 
+def _own_live_rows(idx: torch.Tensor, live: torch.Tensor, local_of: torch.Tensor
+                   ) -> torch.Tensor:
+    rows = idx[live[idx]]
+    return rows[local_of[rows] >= 0]
+
+
 def accumulate_policy_gradient(policy, algo: Algorithm, tokens: TokenBatch, mask: torch.Tensor,
                                idx: torch.Tensor, adv: torch.Tensor, old: torch.Tensor | None,
                                ref: torch.Tensor | None, live: torch.Tensor,
-                               micro_batch_size: int, max_new_tokens: int,
-                               recorded: tuple | None = None) -> dict[str, float]:
-    """Backward the loss of the minibatch ``idx`` in micro-batches, each aggregated with the
-    normaliser of the whole minibatch (so the summed gradient does not depend on
-    ``micro_batch_size``). ``mask``, ``adv``, ``old``, ``ref`` are ``(N, Lc)``. Rows not
-    ``live`` are skipped. Returns the loss sum and metric means over micro-batches."""
+                               local_of: torch.Tensor, micro_batch_size: int,
+                               max_new_tokens: int, recorded: tuple | None = None
+                               ) -> dict[str, float]:
+    """Backward this rank's share of the loss of the minibatch ``idx`` in micro-batches,
+    each aggregated with the normaliser of the whole minibatch (so the summed gradient
+    depends neither on ``micro_batch_size`` nor on the number of ranks). ``mask``, ``adv``,
+    ``old``, ``ref`` are ``(N, Lc)``. Rows not ``live`` are skipped. Returns the loss and
+    this rank's share of the token-weighted metric means (both add up over ranks)."""
     norm = step_normalizer(mask[idx], algo.aggregation)
-    rows = idx[live[idx]]
+    n_tokens = max(float(mask[idx].sum()), 1.0)
+    rows = _own_live_rows(idx, live, local_of)
     sums: dict[str, float] = {"loss": 0.0}
-    n_micro = 0
     for i in range(0, len(rows), micro_batch_size):
         mb = rows[i:i + micro_batch_size]
         # the last micro-batch is the sampler's outputs' last use: the optimizer step that
         # follows changes the policy
-        lp, ent = tokens.logprobs(policy, mb, with_entropy=True, replay=True,
+        lp, ent = tokens.logprobs(policy, local_of[mb], with_entropy=True, replay=True,
                                   last_replay=i + micro_batch_size >= len(rows))
         old_mb = lp.detach() if old is None else old[mb]
         if recorded is not None:
@@ -63,24 +75,46 @@ def accumulate_policy_gradient(policy, algo: Algorithm, tokens: TokenBatch, mask
         loss.backward()
         sums["loss"] += float(loss.detach())
         m["entropy"] = masked_mean(ent, mask[mb])
-        for k, v in m.items():
-            sums[k] = sums.get(k, 0.0) + float(v)
-        n_micro += 1
-    return {k: (v if k == "loss" else v / max(n_micro, 1)) for k, v in sums.items()}
+        weight = float(mask[mb].sum()) / n_tokens  # the micro-batch's share of the tokens
+        sums = combine([sums, {k: float(v) if k.endswith(EXTREMES) else float(v) * weight
+                               for k, v in m.items()}])
+    return sums
+
+
+EXTREMES = ("_min", "_max")
+"""Metrics whose parts combine by their least or greatest value, not by adding up."""
+
+
+def combine(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Metric parts (micro-batches, ranks) as one: ``*_min`` / ``*_max`` by min / max, the
+    rest (losses and token-weighted shares of means) by sum. A part may lack keys."""
+    out: dict[str, float] = {}
+    for part in parts:
+        for k, v in part.items():
+            if k not in out:
+                out[k] = v
+            elif k.endswith("_min"):
+                out[k] = min(out[k], v)
+            elif k.endswith("_max"):
+                out[k] = max(out[k], v)
+            else:
+                out[k] += v
+    return out
 
 def accumulate_value_gradient(critic, algo: Algorithm, tokens: TokenBatch, mask: torch.Tensor,
                               idx: torch.Tensor, old_values: torch.Tensor,
                               returns: torch.Tensor, live: torch.Tensor,
-                              micro_batch_size: int) -> dict[str, float]:
+                              local_of: torch.Tensor, micro_batch_size: int
+                              ) -> dict[str, float]:
     """Backward ``c_v ·`` the clipped value loss of the minibatch ``idx`` in micro-batches, a
     token mean normalised over the whole minibatch (so the gradient does not depend on
     ``micro_batch_size``). Returns the loss sum and metric means over micro-batches."""
     norm = step_normalizer(mask[idx], "token_mean")
-    rows = idx[live[idx]]
+    rows = _own_live_rows(idx, live, local_of)
     sums: dict[str, float] = {"value_loss": 0.0, "value_clip_frac": 0.0}
     for i in range(0, len(rows), micro_batch_size):
         mb = rows[i:i + micro_batch_size]
-        v = tokens.values(critic, mb)
+        v = tokens.values(critic, local_of[mb])
         loss_tok, m = value_loss(v, old_values[mb], returns[mb], mask[mb], algo.value_clip)
         loss = aggregate_loss(loss_tok, mask[mb], "token_mean", norm)
         (algo.value_coef * loss).backward()
@@ -94,9 +128,10 @@ def run_updates(policy, critic, algo: Algorithm, tokens: TokenBatch, x: UpdateIn
                 policy_opt: Optim | None, critic_opt: Optim | None, cfg,
                 generator: torch.Generator) -> tuple[dict[str, float], int, int]:
     """``cfg.ppo_epochs`` shuffled passes of minibatches; returns the metric sums over
-    optimiser steps and the counts of policy and critic steps. ``policy_opt`` None: the
-    policy does not train this step (the critic warms up)."""
-    sums: dict[str, float] = {}
+    optimiser steps (summed over ranks) and the counts of policy and critic steps.
+    ``policy_opt`` None: the policy does not train this step (the critic warms up)."""
+    shares: list[dict[str, float]] = []  # this rank's share of each optimiser step's metrics
+    norms: dict[str, float] = {}  # the same on every rank
     n_steps = n_critic_steps = 0
     N = len(x.advantages)
     live = x.rows
@@ -109,19 +144,27 @@ def run_updates(policy, critic, algo: Algorithm, tokens: TokenBatch, x: UpdateIn
             if not live[idx].any():
                 continue
             m: dict[str, float] = {}
+            norm: dict[str, float] = {}
             if policy_opt is not None:
                 m.update(accumulate_policy_gradient(
                     policy, algo, tokens, x.mask, idx, x.advantages, x.old_logprobs,
-                    x.ref_logprobs, live, cfg.micro_batch_size, cfg.max_new_tokens,
-                    x.recorded))
-                m["grad_norm"] = policy_opt.step()
+                    x.ref_logprobs, live, x.local_of, cfg.micro_batch_size,
+                    cfg.max_new_tokens, x.recorded))
+                norm["grad_norm"] = policy_opt.step()
                 n_steps += 1
             if critic is not None:
                 m.update(accumulate_value_gradient(critic, algo, tokens, x.mask, idx,
-                                                   x.old_values, x.returns, live,
+                                                   x.old_values, x.returns, live, x.local_of,
                                                    cfg.micro_batch_size))
-                m["critic_grad_norm"] = critic_opt.step()
+                norm["critic_grad_norm"] = critic_opt.step()
                 n_critic_steps += 1
-            for k, v in m.items():
-                sums[k] = sums.get(k, 0.0) + v
-    return sums, n_steps, n_critic_steps
+            shares.append(m)
+            for k, v in norm.items():
+                norms[k] = norms.get(k, 0.0) + v
+    # each optimiser step's metrics over ranks, then their sum over steps
+    steps = [combine(parts) for parts in zip(*dist.gather_objects(shares), strict=True)]
+    sums = {}
+    for m in steps:
+        for k, v in m.items():
+            sums[k] = sums.get(k, 0.0) + v
+    return {**sums, **norms}, n_steps, n_critic_steps
