@@ -16,6 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+pytestmark = pytest.mark.multiprocess
+
 ARGS = ["--batch_size", "8", "--grad_accum", "2", "--max_steps", "4", "--builtin_train_size",
         "64", "--builtin_eval_size", "8", "--device", "cpu", "--tensorboard", "false",
         "--lr", "1e-3", "--log_every", "1", "--warmup_ratio", "0"]
@@ -37,8 +39,8 @@ RL = {
             "--ppo_epochs", "2", "--minibatch_size", "4", "--critic_lr", "1e-5"],
 }
 RL_ARGS = ["--lr", "1e-5", "--max_steps", "4", "--builtin_train_size", "32",
-           "--builtin_eval_size", "5", "--eval_every", "2", "--log_every", "1", "--device", "cpu", "--tensorboard",
-           "false", "--seed", "3"]
+           "--builtin_eval_size", "5", "--eval_every", "2", "--log_every", "1", "--device",
+           "cpu", "--tensorboard", "false", "--seed", "3"]
 
 
 def _launch(ranks: int) -> list[str]:
@@ -75,18 +77,37 @@ def _rows(out: Path) -> list[dict]:
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir, tmp_path_factory):
+    """Each (command, ranks, parallel) run once per module: the single-process baselines
+    serve the DDP and the FSDP comparisons."""
+    done: dict[tuple, Path] = {}
+
+    def get(name: str, ranks: int, parallel: str = "ddp") -> Path:
+        key = (name, ranks, parallel)
+        if key not in done:
+            out = tmp_path_factory.mktemp(f"{name}-{ranks}-{parallel}")
+            _run(name, tiny_model_dir, out, ranks, "--parallel", parallel)
+            done[key] = out
+        return done[key]
+
+    return get
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 @pytest.mark.parametrize("command", ["sft", "rm", "dpo"])
-def test_two_ranks_compute_the_update_of_one(command, tiny_model_dir, tmp_path):
+def test_two_ranks_compute_the_update_of_one(command, parallel, runs):
     """Final weights within 1e-5 of the single process (the target), losses and gradient
-    norms at every step to float32 rounding (the ranks sum in another order). Only rank 0
-    writes: one metrics.jsonl, one final/."""
-    one, two = tmp_path / "one", tmp_path / "two"
-    _run(command, tiny_model_dir, one, 1)
-    _run(command, tiny_model_dir, two, 2)
+    norms at every step to float32 rounding (the ranks sum in another order), whether each
+    rank holds the whole model (ddp) or a shard of it (fsdp, FSDP2 on gloo). Only rank 0
+    writes: one metrics.jsonl, one final/ that loads as a plain Hugging Face model."""
+    one, two = runs(command, 1), runs(command, 2, parallel)
     a, b = _weights(one), _weights(two)
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-5)
+    assert (json.loads((two / "final" / "config.json").read_text())["architectures"]
+            == json.loads((one / "final" / "config.json").read_text())["architectures"])
     rows_a, rows_b = _rows(one), _rows(two)
     assert [r["step"] for r in rows_a] == [r["step"] for r in rows_b]
     for x, y in zip(rows_a, rows_b, strict=True):
@@ -95,15 +116,15 @@ def test_two_ranks_compute_the_update_of_one(command, tiny_model_dir, tmp_path):
                 assert y[key] == pytest.approx(x[key], rel=1e-5), key
 
 
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 @pytest.mark.parametrize("name", sorted(RL))
-def test_two_ranks_compute_the_on_policy_update_of_one(name, tmp_path):
+def test_two_ranks_compute_the_on_policy_update_of_one(name, parallel, runs):
     """Each rank samples its own prompt groups (3 prompts on 2 ranks: 2 and 1); with the
     sampling draws fixed by (seed, step, slot), the same completions are drawn, so every
     reward, dynamic-sampling decision and count agrees exactly with the single process,
-    the final weights (and PPO's critic) within 1e-5, and the float metrics to rounding."""
-    one, two = tmp_path / "one", tmp_path / "two"
-    _run(name, "", one, 1)
-    _run(name, "", two, 2)
+    the final weights (and PPO's critic) within 1e-5, and the float metrics to rounding.
+    Under fsdp the sampler is a plain copy refreshed from the shards after every step."""
+    one, two = runs(name, 1), runs(name, 2, parallel)
     a, b = _weights(one), _weights(two)
     assert a.keys() == b.keys()
     for k in a:
@@ -125,14 +146,17 @@ def test_two_ranks_compute_the_on_policy_update_of_one(name, tmp_path):
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds torchrun's workers in /proc")
-@pytest.mark.parametrize("name", ["sft", "dapo", "ppo"])
-def test_a_two_rank_run_killed_after_a_checkpoint_resumes_exactly(name, tiny_model_dir,
-                                                                  tmp_path):
+@pytest.mark.parametrize(("name", "parallel"), [("sft", "ddp"), ("dapo", "ddp"),
+                                              ("ppo", "fsdp")])
+def test_a_two_rank_run_killed_after_a_checkpoint_resumes_exactly(name, parallel,
+                                                                  tiny_model_dir, tmp_path):
     """torchrun and both ranks SIGKILLed once checkpoint-2 exists (the killed run is given
     far more steps, so the kill lands mid-run; with a constant schedule nothing depends on
     max_steps), resumed on 2 ranks from that checkpoint: the weights equal the
-    uninterrupted 2-rank run's bit for bit."""
-    constant = ("--lr_schedule", "constant", "--warmup_ratio", "0", "--save_every", "2")
+    uninterrupted 2-rank run's bit for bit (fsdp: the optimiser states gathered into the
+    checkpoint and sharded again on resume)."""
+    constant = ("--lr_schedule", "constant", "--warmup_ratio", "0", "--save_every", "2",
+                "--parallel", parallel)
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     _run(name, tiny_model_dir, whole, 2, *constant)
     args = ([name, "--model", tiny_model_dir, *ARGS, "--output_dir", str(killed)]

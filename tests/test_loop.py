@@ -176,11 +176,11 @@ if point == "tokenizer":   # the model's weights and config are written, its tok
     import posttrain.trainers.offline as off
     real_save = off.save_model
 
-    def save_model(model, tokenizer, path):
+    def save_model(model, tokenizer, path, state_dict=None):
         if "checkpoint-4" in str(path):
             model.save_pretrained(path)
             os.kill(os.getpid(), signal.SIGKILL)
-        real_save(model, tokenizer, path)
+        real_save(model, tokenizer, path, state_dict)
     off.save_model = save_model
 elif point == "optimizer":   # the model files are written, the optimiser's are not
     ck.save_optimizer = dies(ck.save_optimizer)

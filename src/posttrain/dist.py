@@ -28,16 +28,21 @@ def launched() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-def init(device: torch.device | str = "cpu") -> None:
-    """Join the process group of a launched run (once); nothing for a world of one."""
+def init(device: torch.device | str = "cpu", required: bool = False) -> None:
+    """Join the process group of a launched run (once); nothing for a world of one unless
+    ``required`` (FSDP needs a group even then: one of its own, in this process)."""
     import torch.distributed as td
 
-    if not launched() or td.is_initialized():
+    if td.is_initialized() or not (launched() or required):
         return
     kind = torch.device(device).type
+    backend = "nccl" if kind == "cuda" else "gloo"
     if kind == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    td.init_process_group("nccl" if kind == "cuda" else "gloo")
+    if launched() or "MASTER_ADDR" in os.environ:
+        td.init_process_group(backend)
+    else:
+        td.init_process_group(backend, store=td.HashStore(), rank=0, world_size=1)
 
 
 def world_size() -> int:

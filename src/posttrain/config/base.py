@@ -95,6 +95,12 @@ class RunConfig:
     once, on first use (about 10 s on 2 CPU cores); on one H200 it cut a 25M fp32 GRPO step by
     29%, on 2 CPU cores it no longer pays (docs/benchmarks.md); needs a C++ compiler (CPU)
     or triton (CUDA)."""
+    parallel: str = "ddp"
+    """Under torchrun: ddp (every rank holds the whole model; gradients summed) or fsdp
+    (FSDP2: parameters, gradients and optimiser states sharded over the ranks, each decoder
+    layer gathered while it runs; docs/scaling.md). Batch sizes are global either way."""
+    cpu_offload: bool = False
+    """With parallel=fsdp: keep the shards, gradients and optimiser states in host memory."""
     overwrite: bool = False
     """Replace a finished run in output_dir (its final/, checkpoints, metrics and config; the
     removed paths are printed); without it such a directory is an error."""
@@ -139,6 +145,12 @@ class RunConfig:
         check(self.dtype in ("float32", "bfloat16", "float16"),
               "dtype must be float32, bfloat16 or float16")
         check(self.max_grad_norm >= 0, "max_grad_norm must be ≥ 0")
+        check(self.parallel in ("ddp", "fsdp"), f"parallel must be ddp or fsdp, got "
+              f"{self.parallel!r}")
+        check(not self.cpu_offload or self.parallel == "fsdp",
+              "cpu_offload needs parallel=fsdp (it offloads FSDP's shards)")
+        check(not (self.compile and self.parallel == "fsdp"),
+              "compile and parallel=fsdp do not run together yet; leave compile off")
         check(self.eval_data is None or self.data is not None,
               "eval_data needs data too (the built-in task has its own held-out split)")
         if self.output_dir is None:

@@ -167,12 +167,19 @@ def load_reward_model(name: str, tokenizer: PreTrainedTokenizerBase, dtype: str 
         model.config.pad_token_id = tokenizer.pad_token_id
     return model.to(pick_device(device))
 
-def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: str | Path
-               ) -> None:
-    """Save as a Hugging Face directory (safetensors weights, config, tokenizer)."""
+def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: str | Path,
+               state_dict: dict | None = None) -> None:
+    """Save as a Hugging Face directory (safetensors weights, config, tokenizer).
+    ``state_dict``: the weights to write instead of ``model``'s own (a sharded model's,
+    gathered whole)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
+    model.save_pretrained(path, safe_serialization=True, state_dict=state_dict)
+    name = type(model).__name__
+    if state_dict is not None and name.startswith("FSDP"):
+        # fully_shard swaps the class for FSDP<Name>; the directory names the model's own
+        model.config.architectures = [name.removeprefix("FSDP")]
+        model.config.save_pretrained(path)
     tokenizer.save_pretrained(path)
 
 

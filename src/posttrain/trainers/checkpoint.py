@@ -23,10 +23,9 @@ FORMAT = 3
 run loop; 2: without a manifest)."""
 
 
-def save_optimizer(opt: torch.optim.Optimizer, path: Path) -> None:
+def save_optimizer(sd: dict, path: Path) -> None:
     """``path.safetensors`` (per-parameter state tensors) and ``path.json`` (hyper-parameter
-    groups): an optimiser state without pickle."""
-    sd = opt.state_dict()
+    groups) of an ``optimizer.state_dict()``: an optimiser state without pickle."""
     tensors = {f"{pid}.{k}": (v if torch.is_tensor(v) else torch.tensor(v)).detach().cpu()
                .contiguous()
                for pid, st in sd["state"].items() for k, v in st.items()}
@@ -34,14 +33,14 @@ def save_optimizer(opt: torch.optim.Optimizer, path: Path) -> None:
     path.with_suffix(".json").write_text(json.dumps(sd["param_groups"]))
 
 
-def load_optimizer(opt: torch.optim.Optimizer, path: Path) -> None:
-    """Restore what :func:`save_optimizer` wrote into ``opt`` (same parameters, same order)."""
+def read_optimizer(path: Path) -> dict:
+    """The ``state_dict()`` :func:`save_optimizer` wrote (parameters by position)."""
     state: dict[int, dict[str, torch.Tensor]] = {}
     for key, value in load_file(str(path.with_suffix(".safetensors"))).items():
         pid, name = key.split(".", 1)
         state.setdefault(int(pid), {})[name] = value
     groups = json.loads(path.with_suffix(".json").read_text())
-    opt.load_state_dict({"state": state, "param_groups": groups})
+    return {"state": state, "param_groups": groups}
 
 
 def rng_state() -> tuple[dict, dict[str, torch.Tensor]]:

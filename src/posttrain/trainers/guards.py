@@ -11,6 +11,8 @@ import threading
 
 import torch
 
+from posttrain import dist
+
 
 class NonFiniteError(RuntimeError):
     """A NaN or inf where training needs a finite number."""
@@ -41,7 +43,6 @@ class StopSignals:
     def stopping(self) -> bool:
         """Whether to stop after this step: on any rank a signal arrived (every rank decides
         alike, or the collectives of the next step would wait forever)."""
-        from posttrain import dist
 
         if dist.world_size() == 1:
             return self.received is not None
@@ -56,9 +57,15 @@ class StopSignals:
 
 
 def check_finite_weights(models: dict[str, torch.nn.Module], step: int) -> None:
-    """Refuse to save weights that hold NaN or inf."""
+    """Refuse to save weights that hold NaN or inf (sharded weights: every rank checks its
+    shards and the ranks agree)."""
     for name, model in models.items():
-        if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+        params = list(model.parameters())
+        bad = float(not all(bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p)
+                                 .all()) for p in params))
+        if any(hasattr(p, "to_local") for p in params):
+            bad = dist.sum_floats([bad])[0]
+        if bad:
             raise NonFiniteError(f"step {step}: the {name}'s weights hold NaN or inf; nothing "
                                  "was saved")
 

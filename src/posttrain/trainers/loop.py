@@ -31,7 +31,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from safetensors.torch import load_file, save_file
 
-from posttrain import dist, fast
+from posttrain import dist, fast, sharding
 from posttrain.trainers import checkpoint as ckpt
 from posttrain.trainers import rundir
 from posttrain.trainers.guards import NonFiniteError, StopSignals, check_finite_weights, check_step
@@ -75,10 +75,13 @@ class Optim:
         self.on_nonfinite = on_nonfinite
         self.skipped = 0
         """Optimiser steps left out because the gradient norm was not finite."""
+        self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.opt = adamw(self.params, lr, weight_decay)
+        self.sharded = sharding.is_sharded(model)
+        """FSDP: the gradients arrive reduce-scattered (summed) in the backward."""
         # several ranks: the gradients live in one buffer, summed in one collective
-        self.flat = dist.flat_gradients(self.params)
+        self.flat = None if self.sharded else dist.flat_gradients(self.params)
         self._views = [p.grad.data_ptr() for p in self.params] if self.flat is not None else []
 
     def set_lr(self, scale: float) -> float:
@@ -86,9 +89,25 @@ class Optim:
             group["lr"] = self.peak_lr * scale
         return self.peak_lr * scale
 
+    def state_for_save(self) -> dict | None:
+        """``opt.state_dict()``, gathered whole for a sharded model (rank 0; None on the
+        others); collective, so every rank calls it."""
+        if self.sharded:
+            return sharding.full_optimizer_state(self.model, self.opt, self.params)
+        return self.opt.state_dict()
+
+    def load(self, path: Path) -> None:
+        sd = ckpt.read_optimizer(path)
+        if self.sharded:
+            sharding.load_optimizer_state(self.model, self.opt, self.params, sd)
+        else:
+            self.opt.load_state_dict(sd)
+
     def step(self) -> float:
-        # every rank now holds the whole step's gradient
-        if self.flat is not None and self._views == [
+        # every rank now holds the whole step's gradient (or, sharded, its shard of it)
+        if self.sharded:
+            pass
+        elif self.flat is not None and self._views == [
                 -1 if p.grad is None else p.grad.data_ptr() for p in self.params]:
             dist.sum_flat(self.flat)  # autograd accumulated into the views, as it does
         else:
@@ -105,7 +124,7 @@ class Optim:
             total = getattr(torch.nn.utils, "get_total_norm", None)
             norm = (total([p.grad for p in self.params if p.grad is not None]) if total
                     else torch.nn.utils.clip_grad_norm_(self.params, float("inf")))
-        norm = float(norm)
+        norm = float(sharding.full_tensor(norm))
         if not math.isfinite(norm):
             self.opt.zero_grad(set_to_none=self.flat is None)
             if self.on_nonfinite == "raise":
@@ -146,8 +165,9 @@ class Job:
     def evaluate(self) -> dict[str, float]:
         return {}
 
-    def save(self, path: Path) -> None:
-        """The models as Hugging Face directories under ``path``."""
+    def save(self, path: Path, states: dict | None = None) -> None:
+        """The models as Hugging Face directories under ``path``; ``states``: the full
+        state dicts of sharded models by name (:func:`full_states`)."""
         raise NotImplementedError
 
     def models(self) -> dict[str, torch.nn.Module]:
@@ -203,7 +223,7 @@ def start_run(cfg) -> Path | None:
     from posttrain.models import pick_device
 
     fast.prepare_process(cfg)
-    dist.init(pick_device(cfg.device))
+    dist.init(pick_device(cfg.device), required=cfg.parallel == "fsdp")
     if not dist.is_main():  # rank 0 alone prints and writes
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 -- for the life of the process
     seed_everything(cfg.seed)
@@ -249,14 +269,16 @@ def save_checkpoint(path: Path, job: Job, step: int, window: Window, run_id: str
     """Everything a resume needs, written atomically with its manifest last (see
     :mod:`.checkpoint`)."""
     check_finite_weights(job.models(), step)
+    states = full_states(job)  # sharded models: gathered on rank 0 (every rank takes part)
+    optimizer_states = [o.state_for_save() for o in job.optimizers]
     if not dist.is_main():
         dist.barrier()  # rank 0 writes; every rank goes on once it has
         return
 
     def write(tmp: Path) -> None:
-        job.save(tmp)
-        for o in job.optimizers:
-            ckpt.save_optimizer(o.opt, tmp / f"optimizer-{o.name}")
+        job.save(tmp, states)
+        for o, sd in zip(job.optimizers, optimizer_states, strict=True):
+            ckpt.save_optimizer(sd, tmp / f"optimizer-{o.name}")
         rng_meta, rng_tensors = ckpt.rng_state()
         meta, tensors = job.state()
         save_file({**{f"rng.{k}": v for k, v in rng_tensors.items()},
@@ -276,7 +298,7 @@ def load_checkpoint(path: Path, job: Job, window: Window) -> int:
     state = json.loads((path / ckpt.STATE).read_text())
     tensors = load_file(str(path / "state.safetensors"))
     for o in job.optimizers:
-        ckpt.load_optimizer(o.opt, path / f"optimizer-{o.name}")
+        o.load(path / f"optimizer-{o.name}")
         o.skipped = int(state.get("skipped", {}).get(o.name, 0))
     job.load_state(state["job"], {k[4:]: v for k, v in tensors.items() if k.startswith("job.")})
     ckpt.set_rng_state(state["rng"], {k[4:]: v for k, v in tensors.items()
@@ -285,13 +307,28 @@ def load_checkpoint(path: Path, job: Job, window: Window) -> int:
     return int(state["step"])
 
 
-def load_policy(cfg, name: str):
-    """A causal LM ``name`` on ``cfg``'s device and dtype, with the forward speed-ups of
-    ``posttrain.fast`` when ``cfg.fast``."""
-    from posttrain.models import load_causal_lm
+def full_states(job: Job) -> dict[str, dict | None]:
+    """The full state dict of each sharded model of ``job`` by name (rank 0; None on the
+    other ranks); nothing for the others. Collective: every rank calls it."""
+    return {name: sharding.full_state(m) for name, m in job.models().items()
+            if sharding.is_sharded(m)}
 
-    return fast.prepare_model(load_causal_lm(name, cfg.dtype, cfg.device, cfg.trust_remote_code),
+
+def load_policy(cfg, name: str, trained: bool = False):
+    """A causal LM ``name`` on ``cfg``'s device and dtype, with the forward speed-ups of
+    ``posttrain.fast`` when ``cfg.fast``. ``trained``: the model the run trains (in FSDP's
+    master dtype under ``parallel=fsdp``; not yet sharded, see :func:`shard_trained`)."""
+    from posttrain.models import load_causal_lm, pick_device
+
+    dtype = sharding.load_dtype(cfg, pick_device(cfg.device)) if trained else cfg.dtype
+    return fast.prepare_model(load_causal_lm(name, dtype, cfg.device, cfg.trust_remote_code),
                               cfg.fast)
+
+
+def shard_trained(cfg, model):
+    """``model`` sharded with FSDP2 under ``parallel=fsdp`` (:mod:`posttrain.sharding`),
+    else as it is; before its optimiser is made."""
+    return sharding.shard(model, cfg) if cfg.parallel == "fsdp" else model
 
 
 def _log_row(cfg, job: Job, writer: MetricsWriter, window: Window, step: int, total: int,
@@ -387,9 +424,10 @@ def run(cfg, job: Job, total_steps: int) -> dict[str, float]:
                     writer.write(total_steps, final)
                     last.update(final)
             check_finite_weights(job.models(), total_steps)
+            states = full_states(job)
             if dist.is_main():
                 ckpt.write_atomically(out / "final", lambda tmp: (
-                    job.save(tmp), ckpt.write_manifest(tmp, total_steps, run_id, cfg)))
+                    job.save(tmp, states), ckpt.write_manifest(tmp, total_steps, run_id, cfg)))
             dist.barrier()
             if stopped:
                 raise SystemExit(128 + stop.received)

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from posttrain import data as data_mod
-from posttrain import dist, fast
+from posttrain import dist, fast, sharding
 from posttrain.builtin import task as builtin_task
 from posttrain.config import ConfigError, DPOConfig, OfflineConfig, RMConfig, SFTConfig
 from posttrain.core import bradley_terry_loss, dpo_loss
@@ -23,6 +23,7 @@ from posttrain.models import (
     decide_share_prompt,
     load_reward_model,
     load_tokenizer,
+    pick_device,
     save_model,
     sequence_scores,
     shared_prompt_logprobs,
@@ -156,7 +157,12 @@ class OfflineJob(Job):
         was_training = self.model.training
         self.model.eval()
         total, sums = 0, {"loss": 0.0}
-        for batch in self.batches(dist.shard(self.eval_examples), self.cfg.eval_batch_size):
+        batches = list(self.batches(dist.shard(self.eval_examples), self.cfg.eval_batch_size))
+        # sharded: every rank runs as many forwards as the rank with the most batches (the
+        # extra ones, on one example, are discarded)
+        for _ in range(sharding.lockstep(len(batches), self.model) - len(batches)):
+            self.loss(self.to_device(self.collate(self.eval_examples[:1])))
+        for batch in batches:
             loss_sum, metric_sums = self.loss(batch)
             total += self.units(batch)
             for k, v in {"loss": loss_sum, **metric_sums}.items():
@@ -166,8 +172,8 @@ class OfflineJob(Job):
         *values, total = dist.sum_floats([sums[k] for k in keys] + [total])
         return {f"eval/{k}": v / max(total, 1) for k, v in zip(keys, values, strict=True)}
 
-    def save(self, path: Path) -> None:
-        save_model(self.model, self.tokenizer, path)
+    def save(self, path: Path, states: dict | None = None) -> None:
+        save_model(self.model, self.tokenizer, path, (states or {}).get("model"))
 
     def models(self):
         return {"model": self.model}
@@ -307,24 +313,26 @@ def _start(cfg, kind: str):
 
 def run_sft(cfg: SFTConfig) -> dict[str, float]:
     tokenizer, train_ex, eval_ex, source = _start(cfg, "sft")
-    model = loop.load_policy(cfg, source)
+    model = loop.load_policy(cfg, source, trained=True)
     compile_models(cfg, [model], model.device)
-    return SFTTrainer(cfg, model, tokenizer, train_ex, eval_ex).train()
+    return SFTTrainer(cfg, loop.shard_trained(cfg, model), tokenizer, train_ex, eval_ex).train()
 
 
 def run_rm(cfg: RMConfig) -> dict[str, float]:
     tokenizer, train_ex, eval_ex, source = _start(cfg, "preference")
     loop.seed_everything(cfg.seed)  # a fresh scalar head is drawn from torch's global generator
-    model = fast.prepare_model(load_reward_model(source, tokenizer, cfg.dtype, cfg.device,
+    dtype = sharding.load_dtype(cfg, pick_device(cfg.device))
+    model = fast.prepare_model(load_reward_model(source, tokenizer, dtype, cfg.device,
                                                  cfg.trust_remote_code), cfg.fast)
     compile_models(cfg, [model], model.device)
-    return RewardTrainer(cfg, model, tokenizer, train_ex, eval_ex).train()
+    return RewardTrainer(cfg, loop.shard_trained(cfg, model), tokenizer, train_ex,
+                         eval_ex).train()
 
 
 def run_dpo(cfg: DPOConfig) -> dict[str, float]:
     tokenizer, train_ex, eval_ex, source = _start(cfg, "preference")
-    model = loop.load_policy(cfg, source)
-    ref = loop.load_policy(cfg, cfg.ref_model or cfg.model)
-    trainer = DPOTrainer(cfg, model, tokenizer, train_ex, eval_ex, ref)
-    compile_models(cfg, [model, trainer.ref_model], model.device)
+    model = loop.load_policy(cfg, source, trained=True)
+    ref = loop.load_policy(cfg, cfg.ref_model or cfg.model)  # whole on every rank, even sharded
+    trainer = DPOTrainer(cfg, loop.shard_trained(cfg, model), tokenizer, train_ex, eval_ex, ref)
+    compile_models(cfg, [model, trainer.ref_model], model.device)  # compile: never sharded
     return trainer.train()

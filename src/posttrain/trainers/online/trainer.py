@@ -25,6 +25,7 @@ moments) resumes exactly.
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from pathlib import Path
@@ -32,7 +33,7 @@ from pathlib import Path
 import torch
 
 from posttrain import data as data_mod
-from posttrain import dist, fast
+from posttrain import dist, fast, sharding
 from posttrain.builtin import task as builtin_task
 from posttrain.config import ConfigError, PPOConfig, RLConfig
 from posttrain.core import AdaptiveKLController, FixedKLController
@@ -76,7 +77,10 @@ class RLTrainer(Job):
                               f"{dist.world_size()} ranks no prompt: each rank samples whole "
                               "groups, so use at least one prompt per rank")
         self.tok = load_tokenizer(cfg.model, cfg.trust_remote_code)
-        self.policy = loop.load_policy(cfg, str(resume or cfg.model))
+        self.policy = loop.load_policy(cfg, str(resume or cfg.model), trained=True)
+        self.sharded = cfg.parallel == "fsdp"
+        # sharded: the engine samples from a plain copy, refreshed after every step
+        self.sampler = copy.deepcopy(self.policy).eval() if self.sharded else self.policy
         self.device = next(self.policy.parameters()).device
         self.share_prompt = decide_share_prompt(cfg.share_prompt, self.policy, cfg.group_size)
         self.ref = None
@@ -92,7 +96,8 @@ class RLTrainer(Job):
             loop.seed_everything(cfg.seed)  # a fresh value head is drawn from the global RNG
             source = str(resume / "critic") if resume else self.critic_source()
             self.critic = fast.prepare_model(load_reward_model(
-                source, self.tok, cfg.dtype, cfg.device, cfg.trust_remote_code), cfg.fast)
+                source, self.tok, sharding.load_dtype(cfg, self.device), cfg.device,
+                cfg.trust_remote_code), cfg.fast)
             value_head(self.critic)  # fail now, not after the first rollout
             log.info("critic from %s", source)
         self.kl_ctl = (AdaptiveKLController(self.algo.reward_kl_coef, cfg.kl_target,
@@ -100,12 +105,15 @@ class RLTrainer(Job):
                        else FixedKLController(self.algo.reward_kl_coef))
         self.gen = torch.Generator().manual_seed(cfg.seed)
         try:
-            self.engine = make_engine(cfg.rollout_backend, self.policy, self.tok, cfg.fast)
+            self.engine = make_engine(cfg.rollout_backend, self.sampler, self.tok, cfg.fast)
         except ValueError as e:  # a backend that cannot run this model
             raise ConfigError(str(e)) from None
         self.experience = ExperienceMaker(cfg, self.algo, self.engine, self.tok, self.rewards,
                                           self.train_rows, self.gen)
         self.compiled = compile_models(cfg, [self.policy, self.ref, self.critic], self.device)
+        self.policy = loop.shard_trained(cfg, self.policy)
+        if self.critic is not None:
+            self.critic = loop.shard_trained(cfg, self.critic)
         self.optimizers = [Optim("policy", self.policy, cfg.lr, cfg.weight_decay,
                                  cfg.max_grad_norm, cfg.on_nonfinite)]
         track_policy_version(self.policy, self.optimizers[0].opt)
@@ -115,10 +123,11 @@ class RLTrainer(Job):
                                          cfg.on_nonfinite))
         self.step_num = 0
         # replay of the sampler's projections: the shared-prompt two-call layout, an engine
-        # that captures, a policy it can replay, no compile
+        # that captures, a policy it can replay, no compile, not sharded
         self.reuse_rollout_forward = (cfg.fast and cfg.reuse_rollout_forward
                                       and self.share_prompt and self.engine.can_capture
-                                      and not self.compiled and can_replay(self.policy))
+                                      and not self.compiled and not self.sharded
+                                      and can_replay(self.policy))
         self.experience.capture = self.reuse_rollout_forward
         self.packed = False
         """Whether the last batch's shared-prompt passes were packed into one call."""
@@ -169,9 +178,13 @@ class RLTrainer(Job):
                         "step learns nothing", step)
         t0 = time.perf_counter()
         # this rank's samples (all of them in a world of one); every other tensor of the
-        # step covers the whole step's samples, the same on every rank
+        # step covers the whole step's samples, the same on every rank. Sharded, any rank
+        # can compute any sample (nothing is replayed): the rows are dealt out evenly.
+        if self.sharded:
+            exp.local, exp.own = exp.rollout, torch.arange(len(exp.valid))[dist.rank()::
+                                                                           dist.world_size()]
         tokens = (TokenBatch(exp.local, self.tok.pad_token_id, self.device, self.share_prompt,
-                             cfg.temperature) if len(exp.own) else None)
+                             cfg.temperature) if len(exp.own) or self.sharded else None)
         valid = exp.valid.to(self.device)
         mask = exp.rollout.completion_mask.to(self.device).float() * valid[:, None]
         # 2. passes: old log-probs, reference log-probs, old values
@@ -189,7 +202,8 @@ class RLTrainer(Job):
         recorded = None if old is not None else (torch.zeros_like(mask),
                                                  torch.zeros_like(valid))
         local_of = torch.full((len(mask),), -1, dtype=torch.long, device=self.device)
-        local_of[exp.own.to(self.device)] = torch.arange(len(exp.own), device=self.device)
+        own = exp.own.to(self.device)
+        local_of[own] = own if self.sharded else torch.arange(len(own), device=self.device)
         x = UpdateInputs(mask, adv, old, ref, old_values, returns, live, local_of, recorded)
         critic_opt = self.optimizers[1] if self.critic is not None else None
         sums, n_steps, n_critic = run_updates(
@@ -201,7 +215,9 @@ class RLTrainer(Job):
             recorded = (dist.assemble(recorded[0][own], own, len(mask)),
                         dist.assemble(recorded[1][own].float(), own, len(mask)).bool())
         # 5. the sampler follows the policy; metrics
-        self.engine.update_weights(self.policy)
+        if self.sharded:
+            sharding.copy_full_weights(self.sampler, self.policy)
+        self.engine.update_weights(self.sampler)
         # a batch packed into one call replays nothing, so the next rollouts need not
         # capture (batches of a run are alike)
         self.packed = bool(self.share_prompt and tokens is not None and tokens.packed)
@@ -223,27 +239,32 @@ class RLTrainer(Job):
         """Old log-probs (None when the first update's ratio is exactly 1 and no reward KL
         needs them), reference log-probs (None without a reference), old values (None
         without a critic), each ``(N, Lc)`` over the step's samples: this rank computes
-        the rows ``own`` of its ``tokens`` (None: no rows) and gets the others'."""
+        its rows ``own`` (rows of its ``tokens``; None: no rows) and gets the others'."""
         cfg = self.cfg
         several_updates = cfg.ppo_epochs > 1 or cfg.minibatch_size < len(mask)
         own = own.to(self.device)
-        everyone = torch.arange(len(own), device=self.device)
+        # the rows of ``tokens`` to compute: sharded, it holds every sample
+        rows = own if self.sharded else torch.arange(len(own), device=self.device)
 
         def whole(model, run):
             if model is None:
                 return None
-            local = (run(model) if tokens is not None
-                     else mask.new_zeros((0, mask.shape[1])))
+            if len(rows):
+                local = run(model, rows)
+            else:
+                local = mask.new_zeros((0, mask.shape[1]))
+                if sharding.is_sharded(model):  # one forward, as every other rank makes
+                    run(model, torch.zeros(1, dtype=torch.long, device=self.device))
             return dist.assemble(local.float(), own, len(mask))
 
         with torch.no_grad():
-            old = (whole(self.policy, lambda m: tokens.logprobs(m, everyone, replay=True))
+            old = (whole(self.policy, lambda m, r: tokens.logprobs(m, r, replay=True))
                    if several_updates or algo.reward_kl_coef != 0 else None)
-            old_values = whole(self.critic, lambda m: tokens.values(m, everyone))
+            old_values = whole(self.critic, lambda m, r: tokens.values(m, r))
         ref = None
         if self.ref is not None:
             with torch.inference_mode():
-                ref = whole(self.ref, lambda m: tokens.logprobs(m, everyone))
+                ref = whole(self.ref, lambda m, r: tokens.logprobs(m, r))
             ref = ref.clone()  # a normal tensor, usable next to autograd tensors
         return old, ref, old_values
 
@@ -279,11 +300,12 @@ class RLTrainer(Job):
         return {"eval/accuracy": n_correct / len(self.eval_rows),
                 "eval/mean_reward": reward / n_valid if n_valid else float("nan")}
 
-    def save(self, path: Path) -> None:
+    def save(self, path: Path, states: dict | None = None) -> None:
         """The actor as a Hugging Face directory at ``path``, the critic in ``path/critic``."""
-        save_model(self.policy, self.tok, path)
+        states = states or {}
+        save_model(self.policy, self.tok, path, states.get("policy"))
         if self.critic is not None:
-            save_model(self.critic, self.tok, path / "critic")
+            save_model(self.critic, self.tok, path / "critic", states.get("critic"))
 
     def models(self):
         return {"policy": self.policy, **({"critic": self.critic} if self.critic else {})}

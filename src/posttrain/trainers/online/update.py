@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from posttrain import dist
+from posttrain import dist, sharding
 from posttrain.core import aggregate_loss, masked_mean, step_normalizer, value_loss
 from posttrain.core.algorithms import Algorithm, policy_objective
 from posttrain.trainers.loop import Optim
@@ -44,6 +44,19 @@ def _own_live_rows(idx: torch.Tensor, live: torch.Tensor, local_of: torch.Tensor
     return rows[local_of[rows] >= 0]
 
 
+def _micro_starts(n_rows: int, size: int, model) -> range:
+    """The first row of each micro-batch; for a sharded model as many as the rank with the
+    most (the ones past ``n_rows`` are empty: see :func:`_keep_step`)."""
+    return range(0, sharding.lockstep(-(-n_rows // size), model) * size, size)
+
+
+def _keep_step(forward) -> None:
+    """A sharded model's forward and backward with zero weight, on one row (the batch holds
+    every sample when sharded): this rank takes part in the collectives of a micro-batch
+    another rank has and it has not, and adds nothing to the gradient."""
+    (forward().float().nan_to_num(0.0, 0.0, 0.0) * 0).sum().backward()
+
+
 def accumulate_policy_gradient(policy, algo: Algorithm, tokens: TokenBatch, mask: torch.Tensor,
                                idx: torch.Tensor, adv: torch.Tensor, old: torch.Tensor | None,
                                ref: torch.Tensor | None, live: torch.Tensor,
@@ -59,8 +72,11 @@ def accumulate_policy_gradient(policy, algo: Algorithm, tokens: TokenBatch, mask
     n_tokens = max(float(mask[idx].sum()), 1.0)
     rows = _own_live_rows(idx, live, local_of)
     sums: dict[str, float] = {"loss": 0.0}
-    for i in range(0, len(rows), micro_batch_size):
+    for i in _micro_starts(len(rows), micro_batch_size, policy):
         mb = rows[i:i + micro_batch_size]
+        if not len(mb):
+            _keep_step(lambda: tokens.logprobs(policy, idx[:1]))
+            continue
         # the last micro-batch is the sampler's outputs' last use: the optimizer step that
         # follows changes the policy
         lp, ent = tokens.logprobs(policy, local_of[mb], with_entropy=True, replay=True,
@@ -112,8 +128,11 @@ def accumulate_value_gradient(critic, algo: Algorithm, tokens: TokenBatch, mask:
     norm = step_normalizer(mask[idx], "token_mean")
     rows = _own_live_rows(idx, live, local_of)
     sums: dict[str, float] = {"value_loss": 0.0, "value_clip_frac": 0.0}
-    for i in range(0, len(rows), micro_batch_size):
+    for i in _micro_starts(len(rows), micro_batch_size, critic):
         mb = rows[i:i + micro_batch_size]
+        if not len(mb):
+            _keep_step(lambda: tokens.values(critic, idx[:1]))
+            continue
         v = tokens.values(critic, local_of[mb])
         loss_tok, m = value_loss(v, old_values[mb], returns[mb], mask[mb], algo.value_clip)
         loss = aggregate_loss(loss_tok, mask[mb], "token_mean", norm)
