@@ -12,7 +12,7 @@ optimiser step, so N ranks compute the update of one. On-policy (the GRPO family
 each rank samples and scores whole prompt groups, the step's samples are gathered so that
 every rank holds the same experience (scores, masks, advantages, every decision), each
 rank runs the passes and the backward of its own samples, and the gradients are summed.
-Not yet: FSDP.
+Sharding the models (``parallel=fsdp``) is :mod:`posttrain.sharding`'s.
 """
 
 from __future__ import annotations

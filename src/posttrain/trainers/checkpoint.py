@@ -102,9 +102,11 @@ def truncate_metrics(path: Path, step: int) -> int:
 
 MANIFEST = "manifest.json"
 RESUMABLE_DIFFERENCES = frozenset({"max_steps", "resume_from", "output_dir", "overwrite",
-                                   "on_nonfinite", "on_reward_error"})
+                                   "on_nonfinite", "on_reward_error", "parallel",
+                                   "cpu_offload"})
 """Config keys a resumed run may change: how far to go, where to write, what to do on a
-non-finite value. Every other key must be the checkpoint's."""
+non-finite value, how the ranks hold the model (checkpoints hold whole states, so a run
+resumes on any number of ranks, ddp or fsdp). Every other key must be the checkpoint's."""
 
 
 def run_config(cfg) -> dict:

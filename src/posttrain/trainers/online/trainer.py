@@ -80,7 +80,8 @@ class RLTrainer(Job):
         self.policy = loop.load_policy(cfg, str(resume or cfg.model), trained=True)
         self.sharded = cfg.parallel == "fsdp"
         # sharded: the engine samples from a plain copy, refreshed after every step
-        self.sampler = copy.deepcopy(self.policy).eval() if self.sharded else self.policy
+        self.sampler = (copy.deepcopy(self.policy).to(getattr(torch, cfg.dtype)).eval()
+                        if self.sharded else self.policy)  # in the run's dtype, not FSDP's masters
         self.device = next(self.policy.parameters()).device
         self.share_prompt = decide_share_prompt(cfg.share_prompt, self.policy, cfg.group_size)
         self.ref = None
