@@ -37,6 +37,10 @@ RL = {
              "--dynamic_sampling_rounds", "3"],
     "ppo": ["--prompts_per_step", "3", "--group_size", "2", "--max_new_tokens", "8",
             "--ppo_epochs", "2", "--minibatch_size", "4", "--critic_lr", "1e-5"],
+    # GRPO with LoRA adapters: the reference is the base (the adapter off), the sampler a
+    # merged copy; only the adapters' gradients are summed (lr 1e-3: adapters move slowly)
+    "lora": ["--prompts_per_step", "3", "--group_size", "4", "--max_new_tokens", "8",
+             "--kl_coef", "0.04", "--lora_rank", "4", "--lr", "1e-3"],
 }
 RL_ARGS = ["--lr", "1e-5", "--max_steps", "4", "--builtin_train_size", "32",
            "--builtin_eval_size", "5", "--eval_every", "2", "--log_every", "1", "--device",
@@ -50,8 +54,8 @@ def _launch(ranks: int) -> list[str]:
 
 def _rl_args(name: str, out: Path, *extra: str) -> list[str]:
     command = "ppo" if name == "ppo" else "grpo"
-    algo = [] if name == "ppo" else ["--algo", name]
-    return [command, "--model", "builtin", *algo, *RL[name], *RL_ARGS, "--output_dir",
+    algo = [] if name == "ppo" else ["--algo", "grpo" if name == "lora" else name]
+    return [command, "--model", "builtin", *algo, *RL_ARGS, *RL[name], "--output_dir",
             str(out), *extra]
 
 
@@ -66,7 +70,8 @@ def _run(command: str, model: str, out: Path, ranks: int, *extra: str) -> None:
 
 def _weights(out: Path) -> dict[str, torch.Tensor]:
     final = out / "final"
-    weights = load_file(str(final / "model.safetensors"))
+    adapter = final / "adapter_model.safetensors"  # a LoRA run's final/ holds its adapter
+    weights = load_file(str(adapter if adapter.exists() else final / "model.safetensors"))
     if (final / "critic").exists():
         weights.update({f"critic.{k}": v for k, v in
                         load_file(str(final / "critic" / "model.safetensors")).items()})
@@ -116,8 +121,9 @@ def test_two_ranks_compute_the_update_of_one(command, parallel, runs):
                 assert y[key] == pytest.approx(x[key], rel=1e-5), key
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-@pytest.mark.parametrize("name", sorted(RL))
+@pytest.mark.parametrize(("name", "parallel"), [
+    (name, parallel) for name in sorted(RL) for parallel in ("ddp", "fsdp")
+    if not (name == "lora" and parallel == "fsdp")])  # LoRA under fsdp: not yet
 def test_two_ranks_compute_the_on_policy_update_of_one(name, parallel, runs):
     """Each rank samples its own prompt groups (3 prompts on 2 ranks: 2 and 1); with the
     sampling draws fixed by (seed, step, slot), the same completions are drawn, so every

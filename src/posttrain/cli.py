@@ -2,6 +2,7 @@
 
     posttrain sft|rm|dpo|grpo|ppo [--config FILE.yaml] [--key value ...]
     posttrain eval --model DIR [--task builtin | --data FILE --reward module:function]
+    posttrain merge RUN/final --output DIR
     posttrain demo
 
 Training commands map a YAML file and ``--key value`` overrides onto the same typed config
@@ -95,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--trust_remote_code", action="store_true")
     ev.add_argument("--fast", default="true", choices=["true", "false"],
                     help="false: the plain path (hf engine, no posttrain.fast speed-ups)")
+    mg = sub.add_parser("merge", help="a LoRA run's adapter merged into its base: a plain "
+                                      "Hugging Face model")
+    mg.add_argument("adapter", help="an adapter directory: RUN/final or RUN/checkpoint-N")
+    mg.add_argument("--output", required=True, help="where the merged model goes")
+    mg.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    mg.add_argument("--trust_remote_code", action="store_true")
     sub.add_parser("demo", help="train a toy policy with every RL algorithm of the core "
                                 "(seconds, CPU)")
     return parser
@@ -137,6 +144,23 @@ def _run_eval(args) -> int:
         print(f"error: the mean reward is {result['mean_reward']}: the reward function "
               "returned a value that is not a finite number", file=sys.stderr)
         return 2
+    return 0
+
+
+def _run_merge(args) -> int:
+    from pathlib import Path
+
+    from posttrain.models import lora
+
+    adapter, output = Path(args.adapter), Path(args.output)
+    if not (adapter / "adapter_config.json").is_file():
+        raise ValueError(f"{adapter}: no adapter_config.json (not a LoRA run's final/ or "
+                         "checkpoint; a full fine-tune is already a plain model)")
+    if output.exists() and any(output.iterdir()):
+        raise ValueError(f"--output {output} exists and is not empty; choose another")
+    _quiet_transformers()
+    lora.merge(adapter, output, args.dtype, args.trust_remote_code)
+    print(_json({"merged": str(output), "adapter": str(adapter)}))
     return 0
 
 
@@ -208,6 +232,8 @@ def _dispatch(parser, args, rest) -> int:
     if args.command == "eval":
         _quiet_transformers()
         return _run_eval(args)
+    if args.command == "merge":
+        return _run_merge(args)
     if args.command == "demo":
         from posttrain.demo import main as demo_main
 

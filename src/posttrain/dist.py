@@ -156,7 +156,15 @@ def shard(items: list) -> list:
 
 
 def close() -> None:
+    """Leave the process group: once every rank is done, and after freeing what still holds
+    its work (sharded models sit in reference cycles; a gloo work object left for the
+    interpreter's shutdown aborts the process)."""
+    import gc
+
     import torch.distributed as td
 
     if td.is_available() and td.is_initialized():
+        gc.collect()
+        if world_size() > 1:
+            td.barrier()
         td.destroy_process_group()

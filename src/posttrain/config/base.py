@@ -95,6 +95,21 @@ class RunConfig:
     once, on first use (about 10 s on 2 CPU cores); on one H200 it cut a 25M fp32 GRPO step by
     29%, on 2 CPU cores it no longer pays (docs/benchmarks.md); needs a C++ compiler (CPU)
     or triton (CUDA)."""
+    lora_rank: int = 0
+    """LoRA through peft: train rank-R adapters on the decoder blocks' linear layers instead
+    of every weight; 0 = full fine-tuning. The reference is the policy with its adapter off;
+    checkpoints and final/ hold the adapter (posttrain merge writes a plain model)."""
+    lora_alpha: float = 0.0
+    """The adapters' scale is lora_alpha / lora_rank; 0 = 2 × lora_rank (a scale of 2)."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapters' input (0 keeps the trainer's log-probs equal to the
+    sampler's)."""
+    lora_targets: str = "all-linear"
+    """Comma-separated layer names to adapt (q_proj,v_proj, ...); all-linear = every linear
+    layer of the decoder blocks."""
+    load_in_4bit: bool = False
+    """QLoRA: the frozen base quantised to 4 bits (NF4) by bitsandbytes; CUDA only, with
+    lora_rank > 0 (pip install 'posttrain[qlora]')."""
     parallel: str = "ddp"
     """Under torchrun: ddp (every rank holds the whole model; gradients summed) or fsdp
     (FSDP2: parameters, gradients and optimiser states sharded over the ranks, each decoder
@@ -145,6 +160,13 @@ class RunConfig:
         check(self.dtype in ("float32", "bfloat16", "float16"),
               "dtype must be float32, bfloat16 or float16")
         check(self.max_grad_norm >= 0, "max_grad_norm must be ≥ 0")
+        check(self.lora_rank >= 0 and self.lora_alpha >= 0 and 0 <= self.lora_dropout < 1,
+              "lora_rank and lora_alpha must be ≥ 0 and lora_dropout in [0, 1)")
+        check(not self.load_in_4bit or self.lora_rank > 0,
+              "load_in_4bit is QLoRA: it needs lora_rank > 0 (a 4-bit base is not trained)")
+        check(not (self.lora_rank and self.parallel == "fsdp"),
+              "lora_rank and parallel=fsdp do not run together yet; use parallel=ddp (the "
+              "adapters are small: every rank holds them whole)")
         check(self.parallel in ("ddp", "fsdp"), f"parallel must be ddp or fsdp, got "
               f"{self.parallel!r}")
         check(not self.cpu_offload or self.parallel == "fsdp",

@@ -174,7 +174,10 @@ def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path:
     gathered whole)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True, state_dict=state_dict)
+    if state_dict is None:  # (a peft model writes its adapter)
+        model.save_pretrained(path, safe_serialization=True)
+    else:
+        model.save_pretrained(path, safe_serialization=True, state_dict=state_dict)
     name = type(model).__name__
     if state_dict is not None and name.startswith("FSDP"):
         # fully_shard swaps the class for FSDP<Name>; the directory names the model's own

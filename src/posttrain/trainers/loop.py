@@ -32,6 +32,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from safetensors.torch import load_file, save_file
 
 from posttrain import dist, fast, sharding
+from posttrain.config import ConfigError
 from posttrain.trainers import checkpoint as ckpt
 from posttrain.trainers import rundir
 from posttrain.trainers.guards import NonFiniteError, StopSignals, check_finite_weights, check_step
@@ -323,6 +324,22 @@ def load_policy(cfg, name: str, trained: bool = False):
     dtype = sharding.load_dtype(cfg, pick_device(cfg.device)) if trained else cfg.dtype
     return fast.prepare_model(load_causal_lm(name, dtype, cfg.device, cfg.trust_remote_code),
                               cfg.fast)
+
+
+def load_trained(cfg, resume: Path | None, load, heads: tuple[str, ...] = ()):
+    """The model the run trains. Full fine-tuning: ``load(name)`` of the checkpoint (when
+    resuming) or of ``cfg.model``. With ``lora_rank``: the base ``cfg.model`` (4-bit with
+    ``load_in_4bit``) with fresh adapters, or the checkpoint's; ``heads`` stay trainable."""
+    from posttrain.models import lora, pick_device
+
+    if not lora.wanted(cfg):
+        return load(str(resume or cfg.model))
+    try:
+        base = (lora.load_4bit(cfg.model, pick_device(cfg.device), cfg.trust_remote_code)
+                if cfg.load_in_4bit else load(cfg.model))
+        return lora.load(base, resume) if resume else lora.add(base, cfg, heads)
+    except lora.LoRAError as e:
+        raise ConfigError(str(e)) from None
 
 
 def shard_trained(cfg, model):

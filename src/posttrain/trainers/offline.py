@@ -23,6 +23,7 @@ from posttrain.models import (
     decide_share_prompt,
     load_reward_model,
     load_tokenizer,
+    lora,
     pick_device,
     save_model,
     sequence_scores,
@@ -231,7 +232,8 @@ class DPOTrainer(OfflineJob):
 
     def __init__(self, cfg, model, tokenizer, train_examples, eval_examples, ref_model):
         super().__init__(cfg, model, tokenizer, train_examples, eval_examples)
-        self.ref_model = ref_model.eval().requires_grad_(False)
+        self.ref_model = None if ref_model is None else ref_model.eval().requires_grad_(False)
+        """The frozen reference; None: the policy with its adapter off (LoRA)."""
         self.share_prompt = decide_share_prompt(cfg.share_prompt, model)
         if cfg.precompute_ref:
             for examples in (self.train_examples, self.eval_examples):
@@ -243,9 +245,15 @@ class DPOTrainer(OfflineJob):
         for i in range(0, len(examples), self.cfg.eval_batch_size):
             chunk = examples[i:i + self.cfg.eval_batch_size]
             batch = self.to_device(self.collate(chunk, with_ref=False))
-            ref = self._sequence_logps(self.ref_model, batch).cpu()
+            ref = self._reference_logps(batch).cpu()
             for j, e in enumerate(chunk):
                 e.ref_logps = (float(ref[j]), float(ref[len(chunk) + j]))
+
+    def _reference_logps(self, batch) -> torch.Tensor:
+        if self.ref_model is not None:
+            return self._sequence_logps(self.ref_model, batch)
+        with lora.adapter_off(self.model):
+            return self._sequence_logps(self.model, batch)
 
     @staticmethod
     def _sequence_logps(model, batch) -> torch.Tensor:
@@ -280,7 +288,7 @@ class DPOTrainer(OfflineJob):
             ref = batch["ref_logps"].to(logps.dtype)
         else:
             with torch.inference_mode():
-                ref = self._sequence_logps(self.ref_model, batch)
+                ref = self._reference_logps(batch)
             ref = ref.clone()  # a normal tensor, usable next to autograd tensors
         lengths = self._lengths(batch)
         loss, m = dpo_loss(logps[:n], logps[n:], ref[:n], ref[n:], self.cfg.beta,
@@ -304,35 +312,44 @@ def _encode(cfg, tokenizer, kind):
 
 def _start(cfg, kind: str):
     """Process settings, seeds, the resume directory checked, the tokenizer and the data;
-    and where the trained model loads from (the checkpoint when resuming)."""
+    and the checkpoint to resume from (or None)."""
     resume = loop.start_run(cfg)
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
     train_ex, eval_ex = _encode(cfg, tokenizer, kind)
-    return tokenizer, train_ex, eval_ex, str(resume or cfg.model)
+    return tokenizer, train_ex, eval_ex, resume
+
+
+def _policy(cfg, resume):
+    return loop.load_trained(cfg, resume, lambda name: loop.load_policy(cfg, name,
+                                                                         trained=True))
 
 
 def run_sft(cfg: SFTConfig) -> dict[str, float]:
-    tokenizer, train_ex, eval_ex, source = _start(cfg, "sft")
-    model = loop.load_policy(cfg, source, trained=True)
+    tokenizer, train_ex, eval_ex, resume = _start(cfg, "sft")
+    model = _policy(cfg, resume)
     compile_models(cfg, [model], model.device)
     return SFTTrainer(cfg, loop.shard_trained(cfg, model), tokenizer, train_ex, eval_ex).train()
 
 
 def run_rm(cfg: RMConfig) -> dict[str, float]:
-    tokenizer, train_ex, eval_ex, source = _start(cfg, "preference")
+    tokenizer, train_ex, eval_ex, resume = _start(cfg, "preference")
     loop.seed_everything(cfg.seed)  # a fresh scalar head is drawn from torch's global generator
     dtype = sharding.load_dtype(cfg, pick_device(cfg.device))
-    model = fast.prepare_model(load_reward_model(source, tokenizer, dtype, cfg.device,
-                                                 cfg.trust_remote_code), cfg.fast)
+    model = fast.prepare_model(loop.load_trained(
+        cfg, resume, lambda name: load_reward_model(name, tokenizer, dtype, cfg.device,
+                                                    cfg.trust_remote_code),
+        heads=("score",)), cfg.fast)
     compile_models(cfg, [model], model.device)
     return RewardTrainer(cfg, loop.shard_trained(cfg, model), tokenizer, train_ex,
                          eval_ex).train()
 
 
 def run_dpo(cfg: DPOConfig) -> dict[str, float]:
-    tokenizer, train_ex, eval_ex, source = _start(cfg, "preference")
-    model = loop.load_policy(cfg, source, trained=True)
-    ref = loop.load_policy(cfg, cfg.ref_model or cfg.model)  # whole on every rank, even sharded
+    tokenizer, train_ex, eval_ex, resume = _start(cfg, "preference")
+    model = _policy(cfg, resume)
+    # whole on every rank, even sharded; with LoRA and no other ref_model: the policy's base
+    ref = (None if lora.wanted(cfg) and not cfg.ref_model
+           else loop.load_policy(cfg, cfg.ref_model or cfg.model))
     trainer = DPOTrainer(cfg, loop.shard_trained(cfg, model), tokenizer, train_ex, eval_ex, ref)
     compile_models(cfg, [model, trainer.ref_model], model.device)  # compile: never sharded
     return trainer.train()

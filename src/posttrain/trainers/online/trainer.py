@@ -45,6 +45,7 @@ from posttrain.models import (
     decide_share_prompt,
     load_reward_model,
     load_tokenizer,
+    lora,
     save_model,
     value_head,
 )
@@ -77,15 +78,22 @@ class RLTrainer(Job):
                               f"{dist.world_size()} ranks no prompt: each rank samples whole "
                               "groups, so use at least one prompt per rank")
         self.tok = load_tokenizer(cfg.model, cfg.trust_remote_code)
-        self.policy = loop.load_policy(cfg, str(resume or cfg.model), trained=True)
+        self.policy = loop.load_trained(cfg, resume, lambda name: loop.load_policy(
+            cfg, name, trained=True))
         self.sharded = cfg.parallel == "fsdp"
-        # sharded: the engine samples from a plain copy, refreshed after every step
-        self.sampler = (copy.deepcopy(self.policy).to(getattr(torch, cfg.dtype)).eval()
-                        if self.sharded else self.policy)  # in the run's dtype, not FSDP's masters
+        # sharded, or adapted: the engine samples from a plain copy of the policy (in the
+        # run's dtype, not FSDP's masters'; LoRA: its merged weights), refreshed every step
+        self.merged = lora.is_adapted(self.policy) and not cfg.load_in_4bit
+        self.sampler = self.policy
+        if self.sharded:
+            self.sampler = copy.deepcopy(self.policy).to(getattr(torch, cfg.dtype)).eval()
+        elif self.merged:
+            self.sampler = lora.plain_copy(self.policy).eval()
         self.device = next(self.policy.parameters()).device
         self.share_prompt = decide_share_prompt(cfg.share_prompt, self.policy, cfg.group_size)
         self.ref = None
-        if self.algo.needs_reference:
+        """The frozen reference; None with LoRA (the policy with its adapter off)."""
+        if self.algo.needs_reference and not lora.is_adapted(self.policy):
             self.ref = loop.load_policy(cfg, cfg.model).eval().requires_grad_(False)
         self.train_rows, self.eval_rows = self._rows()
         self.rewards = parse_rewards(cfg.reward or "builtin", cfg.reward_weights, cfg.device)
@@ -218,6 +226,8 @@ class RLTrainer(Job):
         # 5. the sampler follows the policy; metrics
         if self.sharded:
             sharding.copy_full_weights(self.sampler, self.policy)
+        elif self.merged:
+            lora.merge_into(self.sampler, self.policy)
         self.engine.update_weights(self.sampler)
         # a batch packed into one call replays nothing, so the next rollouts need not
         # capture (batches of a run are alike)
@@ -263,9 +273,10 @@ class RLTrainer(Job):
                    if several_updates or algo.reward_kl_coef != 0 else None)
             old_values = whole(self.critic, lambda m, r: tokens.values(m, r))
         ref = None
-        if self.ref is not None:
-            with torch.inference_mode():
-                ref = whole(self.ref, lambda m, r: tokens.logprobs(m, r))
+        if self.algo.needs_reference:
+            ref_model = self.ref if self.ref is not None else self.policy
+            with torch.inference_mode(), lora.adapter_off(ref_model):
+                ref = whole(ref_model, lambda m, r: tokens.logprobs(m, r))
             ref = ref.clone()  # a normal tensor, usable next to autograd tensors
         return old, ref, old_values
 

@@ -1,0 +1,178 @@
+"""LoRA adapters through peft (``--lora_rank R``): the trained model is its frozen base plus
+low-rank updates ``W + (α/r)·B·A`` on the decoder blocks' linear layers (by default every
+one of them), and the optimiser holds only A, B (and a reward model's scalar head).
+
+- **The reference is the base**: the policy with its adapter switched off
+  (:func:`adapter_off`), so GRPO's KL, PPO's reward KL and DPO's reference need no second
+  copy of the weights.
+- **Sampling runs on merged weights**: a plain copy of the base whose adapted layers are
+  refreshed with ``W + (α/r)·B·A`` after every RL step (:func:`merge_into`), so the lean
+  decoder runs and the sampler computes no adapter products (one copy of the weights; the
+  update's forward, through peft, replays nothing).
+- Checkpoints and ``final/`` hold the adapter in peft's format (``adapter_config.json``,
+  ``adapter_model.safetensors``); :func:`merge` writes a plain Hugging Face model.
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+from posttrain.models.loading import decoder_layers
+
+
+class LoRAError(ValueError):
+    """LoRA asked for where it cannot run (peft missing, no such layers)."""
+
+
+def _peft():
+    try:
+        import peft
+    except ImportError:
+        raise LoRAError("lora_rank needs peft: pip install 'posttrain[lora]'") from None
+    return peft
+
+
+def wanted(cfg) -> bool:
+    return getattr(cfg, "lora_rank", 0) > 0
+
+
+def is_adapted(model) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
+
+
+def linear_targets(model, spec: str = "all-linear") -> list[str]:
+    """The module names LoRA adapts: with ``all-linear`` every ``nn.Linear`` inside the
+    decoder layers (by their last name: ``q_proj``, ``down_proj``, ...), else the
+    comma-separated names of ``spec``, each checked to exist there."""
+    found = sorted({name.rsplit(".", 1)[-1] for layer in decoder_layers(model)
+                    for name, m in layer.named_modules() if isinstance(m, torch.nn.Linear)})
+    if spec in ("", "all-linear"):
+        return found
+    asked = [s.strip() for s in spec.split(",") if s.strip()]
+    missing = [s for s in asked if s not in found]
+    if missing:
+        raise LoRAError(f"lora_targets: {', '.join(missing)} is not a linear layer of the "
+                        f"decoder blocks; they have {', '.join(found)}")
+    return asked
+
+
+def add(model, cfg, heads: tuple[str, ...] = ()):
+    """``model`` with fresh adapters (B = 0, so it computes what the base does); ``heads``
+    (a reward model's score) stay fully trainable and are saved with the adapter."""
+    peft = _peft()
+    rank = cfg.lora_rank
+    config = peft.LoraConfig(r=rank, lora_alpha=cfg.lora_alpha or 2 * rank,
+                             lora_dropout=cfg.lora_dropout,
+                             target_modules=linear_targets(model, cfg.lora_targets),
+                             modules_to_save=list(heads) or None, bias="none")
+    return peft.get_peft_model(model, config)
+
+
+def load(model, path: str | Path, trainable: bool = True):
+    """The base ``model`` with the adapter saved at ``path`` (a checkpoint or ``final/``)."""
+    peft = _peft()
+    return peft.PeftModel.from_pretrained(model, str(path), is_trainable=trainable)
+
+
+def load_4bit(name: str, device: torch.device, trust_remote_code: bool = False):
+    """QLoRA's base: ``name`` quantised to 4-bit NF4 by bitsandbytes on a CUDA device,
+    computing in bfloat16, prepared for adapter training."""
+    if device.type != "cuda":
+        raise LoRAError("load_in_4bit (QLoRA) needs a CUDA device (bitsandbytes' 4-bit "
+                        f"kernels), not {device}; on the CPU use lora_rank alone")
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise LoRAError("load_in_4bit needs bitsandbytes: pip install 'posttrain[qlora]'") \
+            from None
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from posttrain.models.loading import resolve
+
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                               bnb_4bit_compute_dtype=torch.bfloat16,
+                               bnb_4bit_use_double_quant=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        resolve(name), quantization_config=quant, dtype=torch.bfloat16,
+        device_map={"": device.index or 0}, trust_remote_code=trust_remote_code)
+    return _peft().prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
+
+def adapter_off(model):
+    """A context in which an adapted model computes its base (the frozen reference);
+    nothing for a model without adapters."""
+    return model.disable_adapter() if is_adapted(model) else nullcontext()
+
+
+def plain_copy(model):
+    """A copy of an adapted model's base with the adapters merged in: a plain model of the
+    same architecture for the sampler (see :func:`merge_into`)."""
+    base = copy.deepcopy(model.get_base_model())
+    _unwrap(base)
+    merge_into(base, model)
+    return base
+
+
+def _unwrap(model) -> None:
+    """Replace each peft LoRA layer inside ``model`` by its base layer (in place)."""
+    for name, m in list(model.named_modules()):
+        base = getattr(m, "base_layer", None)
+        if base is not None and hasattr(m, "lora_A"):
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr, base)
+        original = getattr(m, "original_module", None)  # a modules_to_save wrapper
+        if original is not None and hasattr(m, "modules_to_save"):
+            parent, _, attr = name.rpartition(".")
+            active = m.modules_to_save[m.active_adapter if isinstance(m.active_adapter, str)
+                                       else m.active_adapter[0]]
+            setattr(model.get_submodule(parent) if parent else model, attr, active)
+
+
+@torch.no_grad()
+def merge_into(plain, adapted) -> None:
+    """Set each adapted linear layer of the plain copy to ``W + (α/r)·B·A`` (and copy the
+    trainable heads), from the adapted model's current adapters."""
+    target = dict(plain.named_modules())
+    for name, m in adapted.get_base_model().named_modules():
+        if hasattr(m, "lora_A") and hasattr(m, "base_layer"):
+            w = m.base_layer.weight
+            delta = sum(m.get_delta_weight(a) for a in m.active_adapters if a in m.lora_A)
+            target[name].weight.copy_(w + delta.to(w.dtype))
+        elif hasattr(m, "modules_to_save") and hasattr(m, "original_module"):
+            active = m.modules_to_save[m.active_adapters[0]]
+            target[name].load_state_dict(active.state_dict())
+
+
+def merge(adapter_dir: str | Path, output: str | Path, dtype: str = "float32",
+          trust_remote_code: bool = False) -> Path:
+    """A plain Hugging Face model at ``output``: the base named in the adapter's config with
+    the adapter of ``adapter_dir`` merged in (``posttrain merge``)."""
+    import json
+
+    from posttrain.models.loading import load_causal_lm, load_tokenizer, save_model
+
+    config = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
+    base_name = config["base_model_name_or_path"]
+    base = load_causal_lm(base_name, dtype, "cpu", trust_remote_code)
+    merged = load(base, adapter_dir, trainable=False).merge_and_unload()
+    tokenizer = load_tokenizer(base_name, trust_remote_code)
+    save_model(merged, tokenizer, output)
+    return Path(output)
+
+
+__all__ = [
+    "LoRAError",
+    "adapter_off",
+    "add",
+    "is_adapted",
+    "linear_targets",
+    "load",
+    "merge",
+    "merge_into",
+    "plain_copy",
+    "wanted",
+]

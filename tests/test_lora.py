@@ -1,0 +1,185 @@
+"""LoRA through peft (``--lora_rank``): the adapter-off reference is the base, the sampler's
+merged copy computes what the adapted policy computes, only adapters (and heads) train,
+checkpoints hold the adapter and resume exactly, ``posttrain merge`` writes a plain model
+with the adapter model's logits, and LoRA GRPO learns the built-in task."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from bounds import model_inner, model_stages, rel_bound
+from posttrain.cli import main
+from posttrain.config import RLConfig
+from posttrain.models import completion_logprobs, load_causal_lm, lora
+
+pytest.importorskip("peft")
+
+FAST = ["--device", "cpu", "--tensorboard", "false", "--log_every", "1",
+        "--builtin_train_size", "32", "--builtin_eval_size", "8"]
+
+
+def _adapted(rank: int = 4):
+    """The built-in model with adapters whose B is random (a fresh adapter computes the
+    base exactly, which would make these comparisons vacuous)."""
+    cfg = RLConfig(lora_rank=rank)
+    model = lora.add(load_causal_lm("builtin", device="cpu"), cfg)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return model
+
+
+def _batch():
+    from posttrain.data import pad_sequences
+    from posttrain.models import load_tokenizer
+
+    tok = load_tokenizer("builtin")
+    prompts = [tok(p)["input_ids"] for p in ("58+67=", "7+8=", "40+41=")]
+    completions = [tok(c)["input_ids"] for c in ("125", "15", "81")]
+    return pad_sequences(prompts, completions, tok.pad_token_id)
+
+
+def _logprobs(model, b):
+    with torch.no_grad():
+        return completion_logprobs(model, b["input_ids"], b["attention_mask"], b["loss_mask"])
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _bound(model, length: int) -> float:
+    """Two float32 computations of the same forward (another summation order: the adapter
+    as its own products or merged into W) each within the forward's bound."""
+    return 2 * rel_bound(model_stages(model.config, backward=False),
+                         model_inner(model.config, length))
+
+
+def test_the_adapter_off_reference_is_the_base_model():
+    model, base, b = _adapted(), load_causal_lm("builtin", device="cpu"), _batch()
+    adapted = _logprobs(model, b)
+    with lora.adapter_off(model):
+        off = _logprobs(model, b)
+    reference = _logprobs(base, b)
+    bound = _bound(base, b["input_ids"].shape[1])
+    assert _rel(off, reference) <= bound
+    assert _rel(adapted, reference) > 100 * bound  # the adapter does change it
+
+
+def test_the_merged_sampler_copy_computes_the_adapted_policy():
+    model, b = _adapted(), _batch()
+    plain = lora.plain_copy(model)
+    assert not lora.is_adapted(plain)
+    assert all(type(m) is torch.nn.Linear for m in plain.modules()
+               if isinstance(m, torch.nn.Linear))  # plain layers: the lean decoder runs it
+    bound = _bound(plain, b["input_ids"].shape[1])
+    assert _rel(_logprobs(plain, b), _logprobs(model, b)) <= bound
+    with torch.no_grad():  # an update of the adapters reaches the copy on merge_into
+        for name, p in model.named_parameters():
+            if "lora_A" in name:
+                p.mul_(1.5)
+    assert _rel(_logprobs(plain, b), _logprobs(model, b)) > 100 * bound
+    lora.merge_into(plain, model)
+    assert _rel(_logprobs(plain, b), _logprobs(model, b)) <= bound
+
+
+def test_targets_are_every_linear_layer_of_the_blocks_or_named_ones():
+    base = load_causal_lm("builtin", device="cpu")
+    assert lora.linear_targets(base) == ["down_proj", "gate_proj", "k_proj", "o_proj",
+                                         "q_proj", "up_proj", "v_proj"]
+    assert lora.linear_targets(base, "q_proj, v_proj") == ["q_proj", "v_proj"]
+    with pytest.raises(lora.LoRAError, match="lm_head is not a linear layer"):
+        lora.linear_targets(base, "q_proj,lm_head")
+
+
+def test_only_the_adapters_train_and_final_holds_the_adapter(tmp_path):
+    out = tmp_path / "sft"
+    assert main(["sft", "--lora_rank", "4", "--max_steps", "2", "--output_dir", str(out),
+                 *FAST]) == 0
+    final = out / "final"
+    assert (final / "adapter_config.json").is_file() and not (final / "model.safetensors").exists()
+    saved = load_file(str(final / "adapter_model.safetensors"))
+    assert saved and all("lora_" in k for k in saved)
+    config = json.loads((final / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8
+
+
+def test_merge_writes_a_plain_model_with_the_adapter_models_logits(tmp_path):
+    out, merged = tmp_path / "sft", tmp_path / "merged"
+    assert main(["sft", "--lora_rank", "4", "--max_steps", "3", "--lr", "1e-2",
+                 "--output_dir", str(out), *FAST]) == 0
+    assert main(["merge", str(out / "final"), "--output", str(merged)]) == 0
+    plain = load_causal_lm(str(merged), device="cpu")
+    adapted = lora.load(load_causal_lm("builtin", device="cpu"), out / "final", trainable=False)
+    base = load_causal_lm("builtin", device="cpu")
+    ids = torch.tensor([[5, 60, 61, 62, 63, 64, 65, 66]])
+    with torch.no_grad():
+        a, p, b = adapted(ids).logits, plain(ids).logits, base(ids).logits
+    assert (a - b).abs().max() > 1e-3  # training moved it
+    torch.testing.assert_close(p, a, rtol=0, atol=1e-5)
+    assert main(["merge", str(out / "final"), "--output", str(merged)]) == 2  # not emptied
+
+
+def test_every_command_trains_adapters(tmp_path):
+    """sft, rm (the scalar head trains and is saved with the adapter), dpo (the reference
+    is the policy with its adapter off), grpo and ppo (actor adapted, critic full)."""
+    runs = {"sft": [], "rm": [], "dpo": ["--precompute_ref", "false"],
+            "grpo": ["--prompts_per_step", "2", "--group_size", "4", "--max_new_tokens", "4"],
+            "ppo": ["--prompts_per_step", "2", "--group_size", "2", "--max_new_tokens", "4"]}
+    for command, extra in runs.items():
+        out = tmp_path / command
+        assert main([command, "--lora_rank", "4", "--max_steps", "2", "--output_dir",
+                     str(out), *FAST, *extra]) == 0, command
+        saved = load_file(str(out / "final" / "adapter_model.safetensors"))
+        assert any("lora_" in k for k in saved), command
+        if command == "rm":
+            assert any("score" in k for k in saved)
+    assert (tmp_path / "ppo" / "final" / "critic" / "model.safetensors").is_file()
+
+
+def test_a_lora_run_resumes_exactly(tmp_path):
+    args = ["grpo", "--lora_rank", "4", "--max_steps", "4", "--save_every", "2",
+            "--lr_schedule", "constant", "--warmup_ratio", "0", "--prompts_per_step", "2",
+            "--group_size", "4", "--max_new_tokens", "4", *FAST]
+    whole, again = tmp_path / "whole", tmp_path / "again"
+    assert main([*args, "--output_dir", str(whole)]) == 0
+    assert main([*args, "--output_dir", str(again), "--resume_from",
+                 str(whole / "checkpoint-2")]) == 0
+    a = load_file(str(whole / "final" / "adapter_model.safetensors"))
+    b = load_file(str(again / "final" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_qlora_on_the_cpu_is_one_clear_error(tmp_path, capsys):
+    code = main(["sft", "--lora_rank", "4", "--load_in_4bit", "true", "--output_dir",
+                 str(tmp_path / "q"), *FAST])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "needs a CUDA device" in err[0]
+    assert main(["sft", "--load_in_4bit", "true", "--output_dir", str(tmp_path / "r"),
+                 *FAST]) == 2
+
+
+def test_lora_grpo_learns_the_builtin_task(tmp_path):
+    """The quick start with --lora_rank 16 (60 steps, ~10 s on 2 cores): held-out greedy
+    accuracy from 28% to ≥ 85% (the issue's bar; +25 points is the RL target)."""
+    out = tmp_path / "grpo"
+    assert main(["grpo", "--lora_rank", "16", "--output_dir", str(out), "--device", "cpu",
+                 "--tensorboard", "false"]) == 0
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    start = rows[0]["eval/accuracy"]
+    final = [r for r in rows if "eval/accuracy" in r][-1]["eval/accuracy"]
+    assert start < 0.35 and final >= 0.85, (start, final)
+    assert all(r.get("sampling/logprob_gap_max", 0) < 1e-3 for r in rows)  # merged sampler
+
+
+def test_fsdp_with_lora_is_refused():
+    cfg = RLConfig(lora_rank=4, parallel="fsdp")
+    with pytest.raises(ValueError, match="do not run together yet"):
+        cfg.validate()
+
