@@ -162,3 +162,35 @@ def test_fsdp_on_one_gpu_through_nccl(tmp_path, command):
     reloaded = load_causal_lm(str(tmp_path / "bf16" / "final"), dtype="bfloat16",
                               device="cuda")
     assert next(reloaded.parameters()).is_cuda
+
+
+def test_fsdp_with_cpu_offload_on_one_gpu(tmp_path):
+    """--cpu_offload true keeps the shards, gradients and AdamW states in host memory; the
+    update is the one without offload (float32, within 1e-5)."""
+    from safetensors.torch import load_file
+
+    args = ["sft", "--device", "cuda", "--tensorboard", "false", "--builtin_train_size", "64",
+            "--builtin_eval_size", "16", "--max_steps", "3", "--parallel", "fsdp"]
+    _torchrun(args, tmp_path / "on_gpu")
+    _torchrun([*args, "--cpu_offload", "true"], tmp_path / "offload")
+    a = load_file(str(tmp_path / "on_gpu" / "final" / "model.safetensors"))
+    b = load_file(str(tmp_path / "offload" / "final" / "model.safetensors"))
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-5)
+
+
+def test_qlora_trains_a_4bit_base_on_cuda(tmp_path):
+    """--load_in_4bit: the base in NF4 through bitsandbytes, adapters in bf16; SFT and GRPO
+    run a few steps, stay finite and save an adapter."""
+    pytest.importorskip("bitsandbytes")
+    from posttrain.cli import main
+
+    for command, extra in (("sft", []), ("grpo", ["--prompts_per_step", "4",
+                                                  "--group_size", "4"])):
+        out = tmp_path / command
+        assert main([command, "--device", "cuda", "--lora_rank", "8", "--load_in_4bit", "true",
+                     "--tensorboard", "false", "--log_every", "1", "--builtin_train_size",
+                     "64", "--builtin_eval_size", "16", "--max_steps", "2",
+                     "--output_dir", str(out), *extra]) == 0
+        _finite_metrics(out)
+        assert (out / "final" / "adapter_model.safetensors").is_file()

@@ -63,6 +63,11 @@ def shard(model: torch.nn.Module, cfg) -> torch.nn.Module:
     from posttrain.models.loading import decoder_layers
 
     device = next(model.parameters()).device
+    if getattr(cfg, "cpu_offload", False) and device.type != "cuda":
+        from posttrain.config import ConfigError
+
+        raise ConfigError("cpu_offload moves FSDP's shards from a GPU to host memory; on "
+                          f"{device.type} they are in host memory already: leave it off")
     mp = MixedPrecisionPolicy()
     if device.type == "cuda" and cfg.dtype == "bfloat16":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

@@ -171,6 +171,9 @@ class RunConfig:
               f"{self.parallel!r}")
         check(not self.cpu_offload or self.parallel == "fsdp",
               "cpu_offload needs parallel=fsdp (it offloads FSDP's shards)")
+        check(not (self.cpu_offload and self.device == "cpu"),
+              "cpu_offload moves FSDP's shards from a GPU to host memory; with device=cpu "
+              "they are there already: leave it off")
         check(not (self.compile and self.parallel == "fsdp"),
               "compile and parallel=fsdp do not run together yet; leave compile off")
         check(self.eval_data is None or self.data is not None,
