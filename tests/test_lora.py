@@ -143,6 +143,24 @@ def test_every_command_trains_adapters(tmp_path):
     assert (tmp_path / "ppo" / "final" / "critic" / "model.safetensors").is_file()
 
 
+def test_a_ppo_critic_with_adapters_resumes_exactly(tmp_path):
+    """--critic_lora: the critic trains adapters and its value head in full; its checkpoint
+    holds them, and a resume ends on the uninterrupted run's actor and critic."""
+    args = ["ppo", "--lora_rank", "4", "--critic_lora", "true", "--max_steps", "4",
+            "--save_every", "2", "--lr_schedule", "constant", "--warmup_ratio", "0",
+            "--prompts_per_step", "2", "--group_size", "2", "--max_new_tokens", "4", *FAST]
+    whole, again = tmp_path / "whole", tmp_path / "again"
+    assert main([*args, "--output_dir", str(whole)]) == 0
+    assert main([*args, "--output_dir", str(again), "--resume_from",
+                 str(whole / "checkpoint-2")]) == 0
+    for part in ("", "critic"):
+        a = load_file(str(whole / "final" / part / "adapter_model.safetensors"))
+        b = load_file(str(again / "final" / part / "adapter_model.safetensors"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    critic = load_file(str(whole / "final" / "critic" / "adapter_model.safetensors"))
+    assert any("lora_" in k for k in critic) and any("score" in k for k in critic)
+
+
 def test_a_lora_run_resumes_exactly(tmp_path):
     args = ["grpo", "--lora_rank", "4", "--max_steps", "4", "--save_every", "2",
             "--lr_schedule", "constant", "--warmup_ratio", "0", "--prompts_per_step", "2",

@@ -178,7 +178,8 @@ class PPOConfig(RLConfig):
     COMMAND: ClassVar[str] = "ppo"
     ALGOS: ClassVar[list[str]] = algorithm_names(token_rewards=True)
     CRITIC_KEYS: ClassVar[tuple[str, ...]] = ("critic_model", "critic_lr",
-                                              "critic_warmup_steps", "value_clip", "value_coef")
+                                              "critic_warmup_steps", "value_clip", "value_coef",
+                                              "critic_lora")
     algo: str = "ppo"
     """ppo (actor + critic, GAE), reinforce_pp or reinforce_pp_baseline (no critic)."""
     critic_model: str | None = None
@@ -187,6 +188,9 @@ class PPOConfig(RLConfig):
     a fresh value head."""
     critic_lr: float = 1e-4
     """Learning rate of the critic (its own AdamW)."""
+    critic_lora: bool = False
+    """With lora_rank: the critic trains LoRA adapters too (same rank, alpha, targets) and
+    its value head in full; false = the critic is fully trained."""
     critic_warmup_steps: int = 0
     """First steps that train the critic only, leaving the actor as it is."""
     value_clip: float | None = None
@@ -206,6 +210,8 @@ class PPOConfig(RLConfig):
         super().validate()
         if not self.algorithm().critic:
             self.refuse(self.CRITIC_KEYS, f"{self.algo}, which has no critic")
+        check(not self.critic_lora or self.lora_rank > 0,
+              "critic_lora needs lora_rank > 0 (the rank the critic's adapters take)")
         check(self.critic_lr > 0 and self.critic_warmup_steps >= 0,
                "critic_lr must be > 0 and critic_warmup_steps ≥ 0")
         check(self.critic_warmup_steps == 0 or self.algorithm().critic,

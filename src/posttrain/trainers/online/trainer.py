@@ -103,12 +103,22 @@ class RLTrainer(Job):
         self.critic = None
         if self.algo.critic:
             loop.seed_everything(cfg.seed)  # a fresh value head is drawn from the global RNG
-            source = str(resume / "critic") if resume else self.critic_source()
-            self.critic = fast.prepare_model(load_reward_model(
-                source, self.tok, sharding.load_dtype(cfg, self.device), cfg.device,
-                cfg.trust_remote_code), cfg.fast)
+            source = self.critic_source()
+
+            def load_critic(name: str):
+                return load_reward_model(name, self.tok, sharding.load_dtype(cfg, self.device),
+                                         cfg.device, cfg.trust_remote_code)
+
+            if cfg.critic_lora:  # its base from the source, its adapter and head trained
+                base = load_critic(source)
+                heads = tuple(n for n, m in base.named_children() if m is value_head(base))
+                self.critic = (lora.load(base, resume / "critic") if resume
+                               else lora.add(base, cfg, heads))
+            else:
+                self.critic = load_critic(str(resume / "critic") if resume else source)
+            self.critic = fast.prepare_model(self.critic, cfg.fast)
             value_head(self.critic)  # fail now, not after the first rollout
-            log.info("critic from %s", source)
+            log.info("critic from %s%s", source, " (LoRA)" if cfg.critic_lora else "")
         self.kl_ctl = (AdaptiveKLController(self.algo.reward_kl_coef, cfg.kl_target,
                                             cfg.kl_horizon) if cfg.kl_target > 0
                        else FixedKLController(self.algo.reward_kl_coef))
