@@ -121,8 +121,10 @@ def test_merge_writes_a_plain_model_with_the_adapter_models_logits(tmp_path):
     ids = torch.tensor([[5, 60, 61, 62, 63, 64, 65, 66]])
     with torch.no_grad():
         a, p, b = adapted(ids).logits, plain(ids).logits, base(ids).logits
-    assert (a - b).abs().max() > 1e-3  # training moved it
-    torch.testing.assert_close(p, a, rtol=0, atol=1e-5)
+    assert _rel(b, a) > 10 * _bound(plain, ids.shape[1])  # training moved it past the bound
+    # W + (α/r)·B·A in one matrix or as two products: float32 rounding of a forward whose
+    # logits reach ~10 (the 1e-5, relative: about 1e-6 here)
+    assert _rel(p, a) <= _bound(plain, ids.shape[1])
     assert main(["merge", str(out / "final"), "--output", str(merged)]) == 2  # not emptied
 
 
