@@ -133,3 +133,106 @@ def token_entropy(logits: torch.Tensor, chunk_rows: int | None = None) -> torch.
     squeeze = logits.dim() == 2
     out = _TokenEntropy.apply(logits.unsqueeze(0) if squeeze else logits, chunk_rows)
     return out.squeeze(0) if squeeze else out
+
+
+# --- log-probs straight from hidden states ----------------------------------------------------
+
+def head_logit_transform(logits: torch.Tensor, scale: float = 1.0, divide: float = 1.0,
+                         softcap: float = 0.0, temperature: float = 1.0) -> torch.Tensor:
+    """The logits a head's output becomes: ``× scale``, ``÷ divide``, then
+    ``softcap · tanh(· / softcap)`` (when ``softcap`` > 0), then ``÷ temperature``."""
+    if scale != 1.0:
+        logits = logits * scale
+    if divide != 1.0:
+        logits = logits / divide
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    if temperature != 1.0:
+        logits = logits / temperature
+    return logits
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    """ℓ = log softmax(T(h Wᵀ + b))[y] over row chunks of ``h``: the chunk's logits exist
+    only while it is computed (forward) and recomputed in the backward, where
+
+        ∂ℓ/∂z = 1[v = y] − p,   z = T(l): ∂z/∂l = (scale / divide) · (1 − tanh²) / temperature,
+        ∂ℓ/∂h = (∂ℓ/∂l) W,  ∂ℓ/∂W = (∂ℓ/∂l)ᵀ h,  ∂ℓ/∂b = Σ_rows ∂ℓ/∂l.
+
+    Saved for the backward: ``h``, ``W`` (already held by the model), the labels and one
+    log-sum-exp per row. The entropy is returned alongside, without gradient (a metric)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, transform, rows, with_entropy):
+        N = hidden.shape[0]
+        dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        out = torch.empty(N, dtype=dtype, device=hidden.device)
+        lse = torch.empty(N, dtype=dtype, device=hidden.device)
+        ent = torch.empty(N if with_entropy else 0, dtype=dtype, device=hidden.device)
+        for s in range(0, N, rows):
+            z = _chunk_logits(hidden[s:s + rows], weight, bias, transform, dtype)
+            lse[s:s + rows] = torch.logsumexp(z, dim=-1)
+            logp = z - lse[s:s + rows, None]
+            out[s:s + rows] = logp.gather(-1, labels[s:s + rows, None]).squeeze(-1)
+            if with_entropy:
+                ent[s:s + rows] = -(torch.exp(logp) * logp).sum(-1)
+        ctx.save_for_backward(hidden, weight, bias, labels, lse)
+        ctx.transform, ctx.rows = transform, rows
+        ctx.mark_non_differentiable(ent)
+        return out, ent
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out, _grad_ent):
+        hidden, weight, bias, labels, lse = ctx.saved_tensors
+        scale, divide, softcap, temperature = ctx.transform
+        want_h, want_w, want_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(hidden) if want_h else None
+        grad_w = torch.zeros_like(weight, dtype=lse.dtype) if want_w else None
+        grad_b = (torch.zeros_like(bias, dtype=lse.dtype) if want_b and bias is not None
+                  else None)
+        for s in range(0, hidden.shape[0], ctx.rows):
+            h = hidden[s:s + ctx.rows]
+            z = _chunk_logits(h, weight, bias, ctx.transform, lse.dtype)
+            g = grad_out[s:s + ctx.rows, None].to(lse.dtype)
+            d = torch.exp(z - lse[s:s + ctx.rows, None]).mul_(-g)  # −p · g
+            d.scatter_add_(-1, labels[s:s + ctx.rows, None], g)  # + 1[v = y] · g
+            if temperature != 1.0:
+                d.div_(temperature)
+            if softcap:  # z·T = softcap · tanh(u): ∂/∂u = 1 − tanh²(u)
+                d.mul_(1 - (z * (temperature / softcap)).square())
+            if scale / divide != 1.0:
+                d.mul_(scale / divide)
+            if want_h:
+                grad_h[s:s + ctx.rows] = (d @ weight.to(d.dtype)).to(hidden.dtype)
+            if want_w:
+                grad_w.addmm_(d.t(), h.to(d.dtype))
+            if grad_b is not None:
+                grad_b.add_(d.sum(0))
+        return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
+                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None)
+
+
+def _chunk_logits(h, weight, bias, transform, dtype) -> torch.Tensor:
+    logits = torch.nn.functional.linear(h, weight, bias).to(dtype)
+    return head_logit_transform(logits, *transform)
+
+
+def head_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                        bias: torch.Tensor | None = None, scale: float = 1.0,
+                        divide: float = 1.0, softcap: float = 0.0, temperature: float = 1.0,
+                        with_entropy: bool = False, chunk_rows: int | None = None):
+    """Per-token log-probs ``(N,)`` of ``labels`` under the head ``weight`` ``(V, H)``
+    (and ``bias``) applied to ``hidden`` ``(N, H)`` with :func:`head_logit_transform`,
+    computed a chunk of rows at a time in the forward and the backward, so no ``(N, V)``
+    tensor is ever held (see :class:`_HeadLogprobs`). With ``with_entropy`` also the
+    entropy ``(N,)``, without gradient.
+
+    Naive equivalent: ``token_logprobs(head_logit_transform(hidden @ weight.T + bias, ...),
+    labels)``."""
+    V = weight.shape[0]
+    rows = chunk_rows or max(1, CHUNK_ELEMENTS.get(hidden.device.type, 1 << 22) // V)
+    out, ent = _HeadLogprobs.apply(hidden, weight, bias, labels,
+                                   (float(scale), float(divide), float(softcap or 0.0),
+                                    float(temperature)), rows, with_entropy)
+    return (out, ent) if with_entropy else out

@@ -14,6 +14,7 @@ import torch
 from transformers import PreTrainedModel
 
 from posttrain.core import token_entropy, token_logprobs
+from posttrain.core.logprobs import head_token_logprobs
 from posttrain.models.loading import backbone
 
 
@@ -39,6 +40,42 @@ def head_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
     if cap:
         logits = torch.tanh(logits / cap) * cap
     return logits
+
+
+def _fusable_head(model: PreTrainedModel):
+    """The output embeddings as a plain ``nn.Linear`` whose weight the fused log-prob path
+    can read, or None (a sharded or quantised weight, another module type)."""
+    head = model.get_output_embeddings()
+    if type(head) is not torch.nn.Linear:
+        return None
+    w = head.weight
+    if hasattr(w, "to_local") or not w.dtype.is_floating_point:
+        return None
+    return head
+
+
+def head_logprobs(model: PreTrainedModel, hidden: torch.Tensor, labels: torch.Tensor,
+                  target: torch.Tensor, with_entropy: bool, temperature: float = 1.0):
+    """Log-probs of ``labels`` ``(N,)`` from last hidden states ``(N, H)``, scattered to the
+    positions ``target`` marks (and the entropy, without gradient). With a plain linear
+    head, the head runs inside the log-prob computation a chunk of rows at a time, forward
+    and backward (:func:`posttrain.core.logprobs.head_token_logprobs`): no ``(N, V)``
+    logits are ever held. Otherwise the head's logits are formed and reduced as below."""
+    head = _fusable_head(model)
+    if head is None:
+        return scatter_logprobs(tempered(head_logits(model, hidden), temperature), labels,
+                                target, with_entropy)
+    cfg = model.config
+    res = head_token_logprobs(hidden, head.weight, labels, head.bias,
+                              scale=getattr(cfg, "logit_scale", None) or 1.0,
+                              divide=getattr(cfg, "logits_scaling", None) or 1.0,
+                              softcap=getattr(cfg, "final_logit_softcapping", None) or 0.0,
+                              temperature=temperature, with_entropy=with_entropy)
+    lp, ent = res if with_entropy else (res, None)
+    out = torch.zeros(target.shape, dtype=lp.dtype, device=lp.device).masked_scatter(target, lp)
+    if not with_entropy:
+        return out
+    return out, torch.zeros_like(out).masked_scatter(target, ent)
 
 
 def scatter_logprobs(logits: torch.Tensor, labels: torch.Tensor, target: torch.Tensor,
@@ -70,7 +107,7 @@ def completion_logprobs(model: PreTrainedModel, input_ids: torch.Tensor,
     labels = input_ids[:, 1:][target]  # (N,)
     if has_plain_head(model):
         hidden = completion_hidden(model, input_ids, attention_mask, loss_mask)
-        logits = head_logits(model, hidden)  # (N, V)
+        return head_logprobs(model, hidden, labels, target, with_entropy, temperature)
     else:
         logits = model(input_ids=input_ids, attention_mask=attention_mask,
                        use_cache=False).logits[:, :-1][target]

@@ -17,7 +17,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from posttrain.models.loading import active_parameters, backbone
-from posttrain.models.logprobs import has_plain_head, head_logits, scatter_logprobs, tempered
+from posttrain.models.logprobs import has_plain_head, head_logprobs
 
 
 @functools.cache
@@ -68,9 +68,9 @@ def shared_prompt_logprobs(model: PreTrainedModel, prompt_ids: torch.Tensor,
         raise ValueError("shared_prompt_logprobs needs a model with output embeddings")
     hidden = shared_prompt_hidden(model, prompt_ids, prompt_mask, completion_ids,
                                   completion_mask, prompt_index, packed, replay)
-    logits = tempered(head_logits(model, hidden), temperature)  # (N, V)
     target = completion_mask.bool()
-    return scatter_logprobs(logits, completion_ids[target], target, with_entropy)
+    return head_logprobs(model, hidden, completion_ids[target], target, with_entropy,
+                         temperature)
 
 def shared_prompt_hidden(model: PreTrainedModel, prompt_ids: torch.Tensor,
                          prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
