@@ -220,3 +220,37 @@ def test_backbone_through_a_peft_wrapper(tmp_path):
         got = completion_logprobs(wrapped, batch["input_ids"], batch["attention_mask"],
                                   batch["loss_mask"])
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_the_fused_head_equals_the_unfused_one(family_dir, monkeypatch):
+    """Log-probs straight from hidden states (the head applied chunk by chunk, recomputed in
+    the backward; with the soft cap where the family has one) against the full logits:
+    values and every parameter's gradient within the float32 bound."""
+    from posttrain.models import logprobs as lpmod
+
+    model = load_causal_lm(family_dir, device="cpu").eval()
+    k = len(COMPLETIONS) // len(PROMPTS)
+    full = pad_sequences(PROMPTS * k, COMPLETIONS, 0)
+    weights = torch.randn(full["input_ids"].shape[0], full["input_ids"].shape[1] - 1,
+                          generator=torch.Generator().manual_seed(0))
+    calls = []
+    fused = lpmod.head_token_logprobs
+    monkeypatch.setattr(lpmod, "head_token_logprobs",
+                        lambda *a, **kw: calls.append(1) or fused(*a, chunk_rows=3, **kw))
+
+    def run(threshold):
+        monkeypatch.setattr(lpmod, "FUSED_HEAD_MIN_ELEMENTS", threshold)
+        model.zero_grad(set_to_none=True)
+        lp = completion_logprobs(model, full["input_ids"], full["attention_mask"],
+                                 full["loss_mask"], temperature=0.7)
+        (lp * weights).sum().backward()
+        return lp.detach(), torch.cat([p.grad.flatten() for p in model.parameters()
+                                       if p.grad is not None])
+
+    plain_lp, plain_grad = run(1 << 62)
+    assert not calls
+    fused_lp, fused_grad = run(0)
+    assert calls  # the fused path ran
+    bound = 2 * rel_bound(model_stages(model.config), model_inner(model.config, 16))
+    assert rel_err([fused_lp.flatten()], [plain_lp.double().flatten()]) <= bound
+    assert rel_err([fused_grad], [plain_grad.double()]) <= bound

@@ -3,6 +3,7 @@
     posttrain sft|rm|dpo|grpo|ppo [--config FILE.yaml] [--key value ...]
     posttrain eval --model DIR [--task builtin | --data FILE --reward module:function]
     posttrain merge RUN/final --output DIR
+    posttrain plot RUN_DIR... [--metrics KEY ...] [--output FILE.png]
     posttrain demo
 
 Training commands map a YAML file and ``--key value`` overrides onto the same typed config
@@ -102,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
     mg.add_argument("--output", required=True, help="where the merged model goes")
     mg.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     mg.add_argument("--trust_remote_code", action="store_true")
+    pl = sub.add_parser("plot", help="runs' metrics against the step, as a PNG")
+    pl.add_argument("runs", nargs="+", help="run directories (each with a metrics.jsonl)")
+    pl.add_argument("--metrics", nargs="+", default=None,
+                    help="metric keys (default: accuracy, reward, loss and KL where logged)")
+    pl.add_argument("--output", default="metrics.png", help="the PNG to write")
     sub.add_parser("demo", help="train a toy policy with every RL algorithm of the core "
                                 "(seconds, CPU)")
     return parser
@@ -234,6 +240,11 @@ def _dispatch(parser, args, rest) -> int:
         return _run_eval(args)
     if args.command == "merge":
         return _run_merge(args)
+    if args.command == "plot":
+        from posttrain.plot import plot
+
+        print(_json({"plot": str(plot(args.runs, args.metrics, args.output))}))
+        return 0
     if args.command == "demo":
         from posttrain.demo import main as demo_main
 

@@ -137,6 +137,13 @@ def token_entropy(logits: torch.Tensor, chunk_rows: int | None = None) -> torch.
 
 # --- log-probs straight from hidden states ----------------------------------------------------
 
+# Logits per chunk of the fused head: each chunk is a (rows, H) × (H, V) matmul, which wants
+# rows in the hundreds to run at the machine's matmul rate (6-row chunks of a 151,936-token
+# head made a GRPO step 4× slower), so chunks are larger than the reductions' above:
+# 16M float32 logits (64 MiB; 110 rows at V = 151,936) against the 1.2 GB of a 2048-row
+# batch's full logits.
+HEAD_CHUNK_ELEMENTS = {"cpu": 1 << 24, "cuda": 1 << 26}
+
 def head_logit_transform(logits: torch.Tensor, scale: float = 1.0, divide: float = 1.0,
                          softcap: float = 0.0, temperature: float = 1.0) -> torch.Tensor:
     """The logits a head's output becomes: ``× scale``, ``÷ divide``, then
@@ -231,7 +238,7 @@ def head_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
     Naive equivalent: ``token_logprobs(head_logit_transform(hidden @ weight.T + bias, ...),
     labels)``."""
     V = weight.shape[0]
-    rows = chunk_rows or max(1, CHUNK_ELEMENTS.get(hidden.device.type, 1 << 22) // V)
+    rows = chunk_rows or max(1, HEAD_CHUNK_ELEMENTS.get(hidden.device.type, 1 << 24) // V)
     out, ent = _HeadLogprobs.apply(hidden, weight, bias, labels,
                                    (float(scale), float(divide), float(softcap or 0.0),
                                     float(temperature)), rows, with_entropy)

@@ -42,26 +42,34 @@ def head_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
     return logits
 
 
-def _fusable_head(model: PreTrainedModel):
+FUSED_HEAD_MIN_ELEMENTS = 1 << 26
+"""Logits (rows × vocabulary) from which the head is fused into the log-probs: below it
+(256 MiB of float32) the full logits are cheap to hold, and the fused backward's second
+head matmul (it recomputes each chunk's logits: 4 head matmuls instead of 3 with the
+weight's gradient) would cost time for nothing."""
+
+
+def _fusable_head(model: PreTrainedModel, rows: int):
     """The output embeddings as a plain ``nn.Linear`` whose weight the fused log-prob path
-    can read, or None (a sharded or quantised weight, another module type)."""
+    can read, when ``rows`` of its logits would reach :data:`FUSED_HEAD_MIN_ELEMENTS`; else
+    None (small logits, a sharded or quantised weight, another module type)."""
     head = model.get_output_embeddings()
     if type(head) is not torch.nn.Linear:
         return None
     w = head.weight
     if hasattr(w, "to_local") or not w.dtype.is_floating_point:
         return None
-    return head
+    return head if rows * w.shape[0] >= FUSED_HEAD_MIN_ELEMENTS else None
 
 
 def head_logprobs(model: PreTrainedModel, hidden: torch.Tensor, labels: torch.Tensor,
                   target: torch.Tensor, with_entropy: bool, temperature: float = 1.0):
     """Log-probs of ``labels`` ``(N,)`` from last hidden states ``(N, H)``, scattered to the
     positions ``target`` marks (and the entropy, without gradient). With a plain linear
-    head, the head runs inside the log-prob computation a chunk of rows at a time, forward
-    and backward (:func:`posttrain.core.logprobs.head_token_logprobs`): no ``(N, V)``
-    logits are ever held. Otherwise the head's logits are formed and reduced as below."""
-    head = _fusable_head(model)
+    head and large logits, the head runs inside the log-prob computation a chunk of rows at
+    a time, forward and backward (:func:`posttrain.core.logprobs.head_token_logprobs`): no
+    ``(N, V)`` logits are ever held. Otherwise the head's logits are formed and reduced."""
+    head = _fusable_head(model, hidden.shape[0])
     if head is None:
         return scatter_logprobs(tempered(head_logits(model, hidden), temperature), labels,
                                 target, with_entropy)
