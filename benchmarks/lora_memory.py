@@ -68,8 +68,8 @@ def main() -> int:
     p.add_argument("--rank", type=int, default=16)
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="posttrain-lora-"))
-    print("| model | full: peak RSS, s/step | LoRA r=%d: peak RSS, s/step | RSS ratio | "
-          "time ratio |" % args.rank)
+    print(f"| model | full: peak RSS, s/step | LoRA r={args.rank}: peak RSS, s/step | "
+          "RSS ratio | time ratio |")
     print("|---|---|---|---|---|")
     for size in args.sizes:
         model = build(size, work / f"model-{size}")
