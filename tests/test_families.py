@@ -254,3 +254,24 @@ def test_the_fused_head_equals_the_unfused_one(family_dir, monkeypatch):
     bound = 2 * rel_bound(model_stages(model.config), model_inner(model.config, 16))
     assert rel_err([fused_lp.flatten()], [plain_lp.double().flatten()]) <= bound
     assert rel_err([fused_grad], [plain_grad.double()]) <= bound
+
+
+def test_the_fused_head_with_tied_embeddings(monkeypatch):
+    """The built-in model ties its head to the input embeddings: the fused head's weight
+    gradient lands on the shared parameter, as the unfused head's does."""
+    from posttrain.models import logprobs as lpmod
+
+    model = load_causal_lm("builtin", device="cpu").eval()
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    full = pad_sequences(PROMPTS * 2, COMPLETIONS, 0)
+
+    def run(threshold):
+        monkeypatch.setattr(lpmod, "FUSED_HEAD_MIN_ELEMENTS", threshold)
+        model.zero_grad(set_to_none=True)
+        completion_logprobs(model, full["input_ids"], full["attention_mask"],
+                            full["loss_mask"]).sum().backward()
+        return model.get_input_embeddings().weight.grad.clone()
+
+    plain, fused = run(1 << 62), run(0)
+    bound = 2 * rel_bound(model_stages(model.config), model_inner(model.config, 16))
+    assert rel_err([fused.flatten()], [plain.double().flatten()]) <= bound
