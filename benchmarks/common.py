@@ -16,6 +16,10 @@ SIZES = {
                   num_attention_heads=4, num_key_value_heads=4),
     "medium": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
                    num_attention_heads=8, num_key_value_heads=8),
+    # ~180M: the medium body with Qwen's 151,936-token vocabulary, untied
+    "large": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+                  num_attention_heads=8, num_key_value_heads=8, vocab_size=151936,
+                  tie_word_embeddings=False),
 }
 IMPLS = ("trl", "posttrain")
 

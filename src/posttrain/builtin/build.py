@@ -37,9 +37,11 @@ SFT = dict(lr=2e-3, batch_size=128, max_steps=2000, warmup_ratio=0.02, lr_schedu
 
 def init_model(out: Path, seed: int = 0, **arch) -> None:
     tok = build_tokenizer()
-    cfg = LlamaConfig(vocab_size=len(tok), pad_token_id=tok.pad_token_id,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                      **{**ARCH, **arch})
+    # ``arch`` may widen the vocabulary past the tokenizer's (a benchmark of a
+    # 151,936-token head); the ids beyond it are never produced by the tokenizer
+    cfg = LlamaConfig(pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                      eos_token_id=tok.eos_token_id,
+                      **{"vocab_size": len(tok), **ARCH, **arch})
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg)
     model.generation_config.pad_token_id = tok.pad_token_id
