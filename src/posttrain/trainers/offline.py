@@ -29,7 +29,7 @@ from posttrain.models import (
     sequence_scores,
     shared_prompt_logprobs,
 )
-from posttrain.trainers import loop
+from posttrain.trainers import loop, trained
 from posttrain.trainers.loop import Job, Optim, StepResult
 
 # --- data ------------------------------------------------------------------------------------
@@ -320,7 +320,7 @@ def _start(cfg, kind: str):
 
 
 def _policy(cfg, resume):
-    return loop.load_trained(cfg, resume, lambda name: loop.load_policy(cfg, name,
+    return trained.load_trained(cfg, resume, lambda name: trained.load_policy(cfg, name,
                                                                          trained=True))
 
 
@@ -328,19 +328,19 @@ def run_sft(cfg: SFTConfig) -> dict[str, float]:
     tokenizer, train_ex, eval_ex, resume = _start(cfg, "sft")
     model = _policy(cfg, resume)
     compile_models(cfg, [model], model.device)
-    return SFTTrainer(cfg, loop.shard_trained(cfg, model), tokenizer, train_ex, eval_ex).train()
+    return SFTTrainer(cfg, trained.shard_trained(cfg, model), tokenizer, train_ex, eval_ex).train()
 
 
 def run_rm(cfg: RMConfig) -> dict[str, float]:
     tokenizer, train_ex, eval_ex, resume = _start(cfg, "preference")
     loop.seed_everything(cfg.seed)  # a fresh scalar head is drawn from torch's global generator
     dtype = sharding.load_dtype(cfg, pick_device(cfg.device))
-    model = fast.prepare_model(loop.load_trained(
+    model = fast.prepare_model(trained.load_trained(
         cfg, resume, lambda name: load_reward_model(name, tokenizer, dtype, cfg.device,
                                                     cfg.trust_remote_code),
         heads=("score",)), cfg.fast)
     compile_models(cfg, [model], model.device)
-    return RewardTrainer(cfg, loop.shard_trained(cfg, model), tokenizer, train_ex,
+    return RewardTrainer(cfg, trained.shard_trained(cfg, model), tokenizer, train_ex,
                          eval_ex).train()
 
 
@@ -349,7 +349,7 @@ def run_dpo(cfg: DPOConfig) -> dict[str, float]:
     model = _policy(cfg, resume)
     # whole on every rank, even sharded; with LoRA and no other ref_model: the policy's base
     ref = (None if lora.wanted(cfg) and not cfg.ref_model
-           else loop.load_policy(cfg, cfg.ref_model or cfg.model))
-    trainer = DPOTrainer(cfg, loop.shard_trained(cfg, model), tokenizer, train_ex, eval_ex, ref)
+           else trained.load_policy(cfg, cfg.ref_model or cfg.model))
+    trainer = DPOTrainer(cfg, trained.shard_trained(cfg, model), tokenizer, train_ex, eval_ex, ref)
     compile_models(cfg, [model, trainer.ref_model], model.device)  # compile: never sharded
     return trainer.train()

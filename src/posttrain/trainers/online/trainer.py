@@ -51,7 +51,7 @@ from posttrain.models import (
 )
 from posttrain.rewards import parse_rewards, reward_columns, score
 from posttrain.rollout import make_engine
-from posttrain.trainers import loop
+from posttrain.trainers import loop, trained
 from posttrain.trainers.loop import Job, Optim, StepResult
 from posttrain.trainers.online.batch import TokenBatch
 from posttrain.trainers.online.experience import ExperienceMaker
@@ -78,7 +78,7 @@ class RLTrainer(Job):
                               f"{dist.world_size()} ranks no prompt: each rank samples whole "
                               "groups, so use at least one prompt per rank")
         self.tok = load_tokenizer(cfg.model, cfg.trust_remote_code)
-        self.policy = loop.load_trained(cfg, resume, lambda name: loop.load_policy(
+        self.policy = trained.load_trained(cfg, resume, lambda name: trained.load_policy(
             cfg, name, trained=True))
         self.sharded = cfg.parallel == "fsdp"
         # sharded, or adapted: the engine samples from a plain copy of the policy (in the
@@ -94,31 +94,13 @@ class RLTrainer(Job):
         self.ref = None
         """The frozen reference; None with LoRA (the policy with its adapter off)."""
         if self.algo.needs_reference and not lora.is_adapted(self.policy):
-            self.ref = loop.load_policy(cfg, cfg.model).eval().requires_grad_(False)
+            self.ref = trained.load_policy(cfg, cfg.model).eval().requires_grad_(False)
         self.train_rows, self.eval_rows = self._rows()
         self.rewards = parse_rewards(cfg.reward or "builtin", cfg.reward_weights, cfg.device)
         for term in self.rewards:  # reward models (rm:DIR) run the same forward speed-ups
             if isinstance(getattr(term.fn, "model", None), torch.nn.Module):
                 fast.prepare_model(term.fn.model, cfg.fast)
-        self.critic = None
-        if self.algo.critic:
-            loop.seed_everything(cfg.seed)  # a fresh value head is drawn from the global RNG
-            source = self.critic_source()
-
-            def load_critic(name: str):
-                return load_reward_model(name, self.tok, sharding.load_dtype(cfg, self.device),
-                                         cfg.device, cfg.trust_remote_code)
-
-            if cfg.critic_lora:  # its base from the source, its adapter and head trained
-                base = load_critic(source)
-                heads = tuple(n for n, m in base.named_children() if m is value_head(base))
-                self.critic = (lora.load(base, resume / "critic") if resume
-                               else lora.add(base, cfg, heads))
-            else:
-                self.critic = load_critic(str(resume / "critic") if resume else source)
-            self.critic = fast.prepare_model(self.critic, cfg.fast)
-            value_head(self.critic)  # fail now, not after the first rollout
-            log.info("critic from %s%s", source, " (LoRA)" if cfg.critic_lora else "")
+        self.critic = self._load_critic(resume) if self.algo.critic else None
         self.kl_ctl = (AdaptiveKLController(self.algo.reward_kl_coef, cfg.kl_target,
                                             cfg.kl_horizon) if cfg.kl_target > 0
                        else FixedKLController(self.algo.reward_kl_coef))
@@ -130,9 +112,9 @@ class RLTrainer(Job):
         self.experience = ExperienceMaker(cfg, self.algo, self.engine, self.tok, self.rewards,
                                           self.train_rows, self.gen)
         self.compiled = compile_models(cfg, [self.policy, self.ref, self.critic], self.device)
-        self.policy = loop.shard_trained(cfg, self.policy)
+        self.policy = trained.shard_trained(cfg, self.policy)
         if self.critic is not None:
-            self.critic = loop.shard_trained(cfg, self.critic)
+            self.critic = trained.shard_trained(cfg, self.critic)
         self.optimizers = [Optim("policy", self.policy, cfg.lr, cfg.weight_decay,
                                  cfg.max_grad_norm, cfg.on_nonfinite)]
         track_policy_version(self.policy, self.optimizers[0].opt)
@@ -166,6 +148,29 @@ class RLTrainer(Job):
             data_mod.check_prompt_lengths(self.tok, name, rows, cfg.max_new_tokens,
                                           cfg.max_length)
         return sets[0][1], sets[1][1]
+
+    def _load_critic(self, resume: Path | None):
+        """The critic: from its checkpoint, or from :meth:`critic_source` with a fresh value
+        head; with ``critic_lora`` the source's weights frozen under adapters."""
+        cfg = self.cfg
+        loop.seed_everything(cfg.seed)  # a fresh value head is drawn from the global RNG
+        source = self.critic_source()
+
+        def load(name: str):
+            return load_reward_model(name, self.tok, sharding.load_dtype(cfg, self.device),
+                                     cfg.device, cfg.trust_remote_code)
+
+        if cfg.critic_lora:  # its base from the source, its adapter and head trained
+            base = load(source)
+            heads = tuple(n for n, m in base.named_children() if m is value_head(base))
+            critic = (lora.load(base, resume / "critic") if resume
+                      else lora.add(base, cfg, heads))
+        else:
+            critic = load(str(resume / "critic") if resume else source)
+        critic = fast.prepare_model(critic, cfg.fast)
+        value_head(critic)  # fail now, not after the first rollout
+        log.info("critic from %s%s", source, " (LoRA)" if cfg.critic_lora else "")
+        return critic
 
     def critic_source(self) -> str:
         """Where the critic starts: ``critic_model``; else the reward model when the reward is
