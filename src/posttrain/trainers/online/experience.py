@@ -119,13 +119,16 @@ class ExperienceMaker:
                 groups = rollout.group_ids[signal].unique()[: want - kept]
                 keep = torch.isin(rollout.group_ids, groups).nonzero().squeeze(-1)
                 dropped += len(rows) - int(signal.view(-1, G).any(-1).sum())
-                mine = torch.zeros(len(total), dtype=torch.bool)
-                mine[own] = True
-                position = torch.full((len(total),), -1, dtype=torch.long)
-                position[own] = torch.arange(len(own))
-                local = select(local, position[keep[mine[keep]]])
-                own = mine[keep].nonzero().squeeze(-1)
                 rollout = select(rollout, keep)
+                if dist.world_size() > 1:  # this rank's kept rows (one process: all of them)
+                    mine = torch.zeros(len(total), dtype=torch.bool)
+                    mine[own] = True
+                    position = torch.full((len(total),), -1, dtype=torch.long)
+                    position[own] = torch.arange(len(own))
+                    local = select(local, position[keep[mine[keep]]])
+                    own = mine[keep].nonzero().squeeze(-1)
+                else:
+                    own = torch.arange(len(keep))
                 total, valid, correct = total[keep], valid[keep], correct[keep]
                 terms = {k: v[keep] for k, v in terms.items()}
                 kept += len(groups)
