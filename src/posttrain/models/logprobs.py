@@ -14,7 +14,7 @@ import torch
 from transformers import PreTrainedModel
 
 from posttrain.core import token_entropy, token_logprobs
-from posttrain.core.logprobs import head_token_logprobs
+from posttrain.core.logprobs import head_logit_transform, head_token_logprobs
 from posttrain.models.loading import backbone
 
 
@@ -25,21 +25,20 @@ def has_plain_head(model: PreTrainedModel) -> bool:
     return model.get_output_embeddings() is not None
 
 
+def logit_transform(config) -> dict[str, float]:
+    """The model family's transform of its head's output, as its forward applies it (the
+    keywords of :func:`posttrain.core.logprobs.head_logit_transform`): Cohere multiplies
+    by ``logit_scale``, Granite divides by ``logits_scaling``, Gemma-2/3 soft-cap."""
+    return {"scale": getattr(config, "logit_scale", None) or 1.0,
+            "divide": getattr(config, "logits_scaling", None) or 1.0,
+            "softcap": getattr(config, "final_logit_softcapping", None) or 0.0}
+
+
 def head_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
     """Logits ``(N, V)`` from last hidden states ``(N, H)``: the output embeddings, then the
-    model family's logit transform, as its forward applies it."""
-    logits = model.get_output_embeddings()(hidden)
-    cfg = model.config
-    scale = getattr(cfg, "logit_scale", None)  # Cohere: multiplied
-    if scale not in (None, 1.0):
-        logits = logits * scale
-    scaling = getattr(cfg, "logits_scaling", None)  # Granite: divided
-    if scaling not in (None, 1.0):
-        logits = logits / scaling
-    cap = getattr(cfg, "final_logit_softcapping", None)  # Gemma-2/3
-    if cap:
-        logits = torch.tanh(logits / cap) * cap
-    return logits
+    model family's logit transform."""
+    return head_logit_transform(model.get_output_embeddings()(hidden),
+                                **logit_transform(model.config))
 
 
 FUSED_HEAD_MIN_ELEMENTS = 1 << 26
@@ -73,17 +72,10 @@ def head_logprobs(model: PreTrainedModel, hidden: torch.Tensor, labels: torch.Te
     if head is None:
         return scatter_logprobs(tempered(head_logits(model, hidden), temperature), labels,
                                 target, with_entropy)
-    cfg = model.config
     res = head_token_logprobs(hidden, head.weight, labels, head.bias,
-                              scale=getattr(cfg, "logit_scale", None) or 1.0,
-                              divide=getattr(cfg, "logits_scaling", None) or 1.0,
-                              softcap=getattr(cfg, "final_logit_softcapping", None) or 0.0,
-                              temperature=temperature, with_entropy=with_entropy)
-    lp, ent = res if with_entropy else (res, None)
-    out = torch.zeros(target.shape, dtype=lp.dtype, device=lp.device).masked_scatter(target, lp)
-    if not with_entropy:
-        return out
-    return out, torch.zeros_like(out).masked_scatter(target, ent)
+                              temperature=temperature, with_entropy=with_entropy,
+                              **logit_transform(model.config))
+    return _placed(*(res if with_entropy else (res,)), target=target)
 
 
 def scatter_logprobs(logits: torch.Tensor, labels: torch.Tensor, target: torch.Tensor,
@@ -91,12 +83,19 @@ def scatter_logprobs(logits: torch.Tensor, labels: torch.Tensor, target: torch.T
     """Log-probs of ``labels`` from packed ``logits`` ``(N, V)``, written back to the
     positions ``target`` marks (0 elsewhere); optionally the entropy too, without gradient."""
     lp = token_logprobs(logits, labels)  # (N,)
-    out = torch.zeros(target.shape, dtype=lp.dtype, device=lp.device).masked_scatter(target, lp)
     if not with_entropy:
-        return out
+        return _placed(lp, target=target)
     with torch.no_grad():
         ent = token_entropy(logits.detach())
-    return out, torch.zeros_like(out).masked_scatter(target, ent)
+    return _placed(lp, ent, target=target)
+
+
+def _placed(*values: torch.Tensor, target: torch.Tensor):
+    """Each packed ``(N,)`` tensor written to the positions ``target`` marks (0 elsewhere):
+    one tensor, or a tuple of them."""
+    out = tuple(torch.zeros(target.shape, dtype=v.dtype, device=v.device)
+                .masked_scatter(target, v) for v in values)
+    return out[0] if len(out) == 1 else out
 
 
 def completion_logprobs(model: PreTrainedModel, input_ids: torch.Tensor,
