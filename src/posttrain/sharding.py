@@ -39,9 +39,10 @@ def is_sharded(model) -> bool:
 
 def load_dtype(cfg, device: torch.device) -> str:
     """The dtype to load trained weights in: float32 masters under FSDP on CUDA with
-    bfloat16 (the layers compute in bfloat16), else ``cfg.dtype``."""
+    bfloat16 (the layers compute in bfloat16), else ``cfg.dtype`` (and always for a LoRA
+    base: frozen, it has no masters to keep; peft keeps its adapters in float32)."""
     if getattr(cfg, "parallel", "ddp") == "fsdp" and device.type == "cuda" \
-            and cfg.dtype == "bfloat16":
+            and cfg.dtype == "bfloat16" and not getattr(cfg, "lora_rank", 0):
         return "float32"
     return cfg.dtype
 
@@ -78,7 +79,8 @@ def shard(model: torch.nn.Module, cfg) -> torch.nn.Module:
     from posttrain.models.loading import backbone
 
     body = backbone(model)
-    top = [body] + [m for _, m in model.named_children() if m is not body
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
+    top = [body] + [m for _, m in inner.named_children() if m is not body
                     and any(True for _ in m.parameters())]
     fully_shard(top, **kw)
     fully_shard(model, **kw)  # the root (it holds whatever parameters the others do not)

@@ -164,9 +164,9 @@ class RunConfig:
               "lora_rank and lora_alpha must be ≥ 0 and lora_dropout in [0, 1)")
         check(not self.load_in_4bit or self.lora_rank > 0,
               "load_in_4bit is QLoRA: it needs lora_rank > 0 (a 4-bit base is not trained)")
-        check(not (self.lora_rank and self.parallel == "fsdp"),
-              "lora_rank and parallel=fsdp do not run together yet; use parallel=ddp (the "
-              "adapters are small: every rank holds them whole)")
+        check(not (self.load_in_4bit and self.parallel == "fsdp"),
+              "load_in_4bit and parallel=fsdp do not run together (FSDP does not shard "
+              "bitsandbytes' 4-bit weights here); use parallel=ddp")
         check(self.parallel in ("ddp", "fsdp"), f"parallel must be ddp or fsdp, got "
               f"{self.parallel!r}")
         check(not self.cpu_offload or self.parallel == "fsdp",

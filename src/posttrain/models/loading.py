@@ -179,7 +179,7 @@ def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path:
     else:
         model.save_pretrained(path, safe_serialization=True, state_dict=state_dict)
     name = type(model).__name__
-    if state_dict is not None and name.startswith("FSDP"):
+    if state_dict is not None and name.startswith("FSDP") and "Peft" not in name:
         # fully_shard swaps the class for FSDP<Name>; the directory names the model's own
         model.config.architectures = [name.removeprefix("FSDP")]
         model.config.save_pretrained(path)

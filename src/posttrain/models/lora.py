@@ -5,10 +5,11 @@ one of them), and the optimiser holds only A, B (and a reward model's scalar hea
 - **The reference is the base**: the policy with its adapter switched off
   (:func:`adapter_off`), so GRPO's KL, PPO's reward KL and DPO's reference need no second
   copy of the weights.
-- **Sampling runs on merged weights**: a plain copy of the base whose adapted layers are
-  refreshed with ``W + (α/r)·B·A`` after every RL step (:func:`merge_into`), so the lean
-  decoder runs and the sampler computes no adapter products (one copy of the weights; the
-  update's forward, through peft, replays nothing).
+- **Sampling runs on merged weights**: a plain model whose adapted layers hold
+  ``W + (α/r)·B·A``, refreshed after every RL step (:func:`merge_into`), so the lean
+  decoder runs and the sampler computes no adapter products. It costs one copy of the
+  adapted layers only; the frozen rest (embeddings, LM head) is shared with the base. The
+  update's forward, through peft, replays nothing.
 - Checkpoints and ``final/`` hold the adapter in peft's format (``adapter_config.json``,
   ``adapter_model.safetensors``); :func:`merge` writes a plain Hugging Face model.
 """
@@ -109,12 +110,23 @@ def adapter_off(model):
 
 
 def plain_copy(model):
-    """A copy of an adapted model's base with the adapters merged in: a plain model of the
-    same architecture for the sampler (see :func:`merge_into`)."""
-    base = copy.deepcopy(model.get_base_model())
-    _unwrap(base)
-    merge_into(base, model)
-    return base
+    """A plain model of the same architecture for the sampler: the adapted model's base with
+    the adapters merged in (see :func:`merge_into`). Only what changes in training gets
+    storage of its own, the adapted layers' weights (which hold ``W + (α/r)·B·A``) and the
+    trainable heads; every weight LoRA leaves frozen (embeddings, norms, the LM head: at a
+    150k-token vocabulary most of the model) is the base's own tensor, shared."""
+    base = model.get_base_model()
+    own = set()
+    for m in base.modules():
+        if hasattr(m, "lora_A") and hasattr(m, "base_layer"):
+            own.update(id(p) for p in m.base_layer.parameters())
+        elif hasattr(m, "modules_to_save"):
+            own.update(id(p) for p in m.parameters())
+    memo = {id(p): p for p in base.parameters() if id(p) not in own and not p.requires_grad}
+    plain = copy.deepcopy(base, memo)
+    _unwrap(plain)
+    merge_into(plain, model)
+    return plain
 
 
 def _unwrap(model) -> None:
@@ -132,19 +144,33 @@ def _unwrap(model) -> None:
             setattr(model.get_submodule(parent) if parent else model, attr, active)
 
 
+def _whole(x: torch.Tensor) -> torch.Tensor:
+    """A parameter's full value: an FSDP2 shard (DTensor) gathered (collective), any other
+    tensor as it is."""
+    x = x.detach()
+    return x.full_tensor() if hasattr(x, "full_tensor") else x
+
+
 @torch.no_grad()
 def merge_into(plain, adapted) -> None:
     """Set each adapted linear layer of the plain copy to ``W + (α/r)·B·A`` (and copy the
-    trainable heads), from the adapted model's current adapters."""
+    trainable heads), from the adapted model's current adapters. A sharded (FSDP2) adapted
+    model is gathered one tensor at a time: every rank calls this."""
     target = dict(plain.named_modules())
     for name, m in adapted.get_base_model().named_modules():
         if hasattr(m, "lora_A") and hasattr(m, "base_layer"):
-            w = m.base_layer.weight
-            delta = sum(m.get_delta_weight(a) for a in m.active_adapters if a in m.lora_A)
-            target[name].weight.copy_(w + delta.to(w.dtype))
+            w = _whole(m.base_layer.weight)
+            merged = w.clone()
+            for a in m.active_adapters:
+                if a in m.lora_A:
+                    delta = _whole(m.lora_B[a].weight) @ _whole(m.lora_A[a].weight)
+                    merged += (delta.T if m.fan_in_fan_out else delta).to(w.dtype) \
+                        * m.scaling[a]
+            target[name].weight.copy_(merged)
         elif hasattr(m, "modules_to_save") and hasattr(m, "original_module"):
             active = m.modules_to_save[m.active_adapters[0]]
-            target[name].load_state_dict(active.state_dict())
+            target[name].load_state_dict({k: _whole(v) for k, v in
+                                          active.state_dict().items()})
 
 
 def merge(adapter_dir: str | Path, output: str | Path, dtype: str = "float32",

@@ -85,10 +85,10 @@ class RLTrainer(Job):
         # run's dtype, not FSDP's masters'; LoRA: its merged weights), refreshed every step
         self.merged = lora.is_adapted(self.policy) and not cfg.load_in_4bit
         self.sampler = self.policy
-        if self.sharded:
-            self.sampler = copy.deepcopy(self.policy).to(getattr(torch, cfg.dtype)).eval()
-        elif self.merged:
+        if self.merged:
             self.sampler = lora.plain_copy(self.policy).eval()
+        elif self.sharded:
+            self.sampler = copy.deepcopy(self.policy).to(getattr(torch, cfg.dtype)).eval()
         self.device = next(self.policy.parameters()).device
         self.share_prompt = decide_share_prompt(cfg.share_prompt, self.policy, cfg.group_size)
         self.ref = None
@@ -239,10 +239,10 @@ class RLTrainer(Job):
             recorded = (dist.assemble(recorded[0][own], own, len(mask)),
                         dist.assemble(recorded[1][own].float(), own, len(mask)).bool())
         # 5. the sampler follows the policy; metrics
-        if self.sharded:
-            sharding.copy_full_weights(self.sampler, self.policy)
-        elif self.merged:
+        if self.merged:  # (gathered from the shards when sharded)
             lora.merge_into(self.sampler, self.policy)
+        elif self.sharded:
+            sharding.copy_full_weights(self.sampler, self.policy)
         self.engine.update_weights(self.sampler)
         # a batch packed into one call replays nothing, so the next rollouts need not
         # capture (batches of a run are alike)
