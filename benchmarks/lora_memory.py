@@ -3,7 +3,7 @@ and step time, on the ~25M model and on a ~180M model with a 151,936-token vocab
 (hidden 512, 8 layers, untied embeddings: Qwen's vocabulary on a small body).
 
     python benchmarks/lora_memory.py [--sizes medium large] [--repeats 2] [--steps 6]
-        [--rank 16]
+        [--rank 16] [--micro_batch_size 128]
 
 Each run is a fresh ``posttrain grpo`` process (8 prompts × 8 completions, 32 new tokens,
 fp32, the default fast path), full and LoRA alternating; it prints the median peak RSS and
@@ -45,13 +45,15 @@ def build(size: str, out: Path) -> Path:
     return out
 
 
-def run(model: Path, lora_rank: int, steps: int, work: Path) -> tuple[float, float]:
+def run(model: Path, lora_rank: int, steps: int, work: Path, micro: int
+        ) -> tuple[float, float]:
     out = Path(tempfile.mkdtemp(dir=work))
     cmd = [sys.executable, "-m", "posttrain", "grpo", "--model", str(model),
            "--prompts_per_step", "8", "--group_size", "8", "--max_new_tokens", "32",
            "--kl_coef", "0.04", "--max_steps", str(steps), "--log_every", "1",
            "--builtin_eval_size", "8", "--builtin_train_size", "256", "--device", "cpu",
-           "--tensorboard", "false", "--lora_rank", str(lora_rank), "--output_dir", str(out)]
+           "--tensorboard", "false", "--lora_rank", str(lora_rank),
+           "--micro_batch_size", str(micro), "--output_dir", str(out)]
     _, err, code, rss = spawn(cmd, child_env())
     if code != 0:
         raise SystemExit(err[-3000:])
@@ -66,6 +68,9 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--micro_batch_size", type=int, default=128,
+                   help="rows per forward/backward of the update, for both runs (the "
+                        "update is the same whatever it is; 128: all 64 samples at once)")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="posttrain-lora-"))
     print(f"| model | full: peak RSS, s/step | LoRA r={args.rank}: peak RSS, s/step | "
@@ -76,7 +81,7 @@ def main() -> int:
         got: dict[int, list[tuple[float, float]]] = {0: [], args.rank: []}
         for rep in range(args.repeats):
             for r in ((0, args.rank) if rep % 2 == 0 else (args.rank, 0)):
-                got[r].append(run(model, r, args.steps, work))
+                got[r].append(run(model, r, args.steps, work, args.micro_batch_size))
                 print(f"{size} rep {rep} rank {r}: {got[r][-1][0]:.0f} MiB, "
                       f"{got[r][-1][1]:.3f} s/step", file=sys.stderr)
         full = [statistics.median(x[i] for x in got[0]) for i in (0, 1)]

@@ -102,6 +102,70 @@ def test_replayed_logprobs_and_gradients_equal_recomputed(tiny_model_dir, arch, 
     assert (swapped - full).abs().max() > 1e-2
 
 
+def _adapted(model, rank: int = 4, dropout: float = 0.0, targets: str = "all-linear"):
+    """``model`` with LoRA adapters on every projection, B random (a fresh B = 0 would
+    leave the adapters' input gradients untested)."""
+    pytest.importorskip("peft")
+    from posttrain.models import lora
+
+    torch.manual_seed(1)
+    adapted = lora.add(model, RLConfig(lora_rank=rank, lora_dropout=dropout,
+                                       lora_targets=targets))
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    return adapted
+
+
+def _adapter_grads(model, tokens, rows, weights, replay):
+    model.zero_grad()
+    lp = tokens.logprobs(model, rows, replay=replay)
+    (lp * weights).sum().backward()
+    return lp.detach(), torch.cat([p.grad.flatten() for p in model.parameters()
+                                   if p.requires_grad])
+
+
+@pytest.mark.parametrize(("arch", "targets"), [
+    ("builtin_tiny", "all-linear"), ("qwen2_gqa_bias", "all-linear"),
+    # an MLP partly adapted: its projections replayed one by one
+    ("builtin_tiny", "q_proj,v_proj,gate_proj")])
+def test_lora_replay_gives_the_adapters_gradients(tiny_model_dir, arch, targets):
+    """A LoRA policy sampled by the lean decoder (which merges ``W + s·B·A`` per call): the
+    sampler's log-probs are the policy's, the update's forward takes the merged layers'
+    outputs, and the adapters' gradients are within the float32 bound of the float64
+    gradient (a forward and backward, plus the merge's one rounding of each weight), as
+    recomputing through peft is."""
+    from bounds import model_inner, model_stages, rel_bound
+
+    base, tok = _model(tiny_model_dir, arch)
+    model = _adapted(base, targets=targets)
+    assert can_replay(model)
+    r = generate(model, tok, PROMPTS, n=8, params=SamplingParams(temperature=1.0,
+                                                                   max_new_tokens=12),
+                 generator=torch.Generator().manual_seed(0), engine="lean", capture=True)
+    tokens = TokenBatch(r, tok.pad_token_id, "cpu", share_prompt=True)
+    tokens.packed = False
+    mask = tokens.completion_mask.bool()
+    g = torch.Generator().manual_seed(1)
+    for rows in (torch.arange(len(tokens)), torch.randperm(len(tokens), generator=g)[:11]):
+        weights = torch.randn(len(rows), mask.shape[1], generator=g) * mask[rows]
+        lp_replay, g_replay = _adapter_grads(model, tokens, rows, weights, replay=True)
+        lp_full, g_full = _adapter_grads(model, tokens, rows, weights, replay=False)
+        tokens.packed = True  # (float64: see the test above)
+        _, g_exact = _adapter_grads(model.double(), tokens, rows, weights.double(),
+                                    replay=False)
+        tokens.packed = False
+        model.float()
+        assert g_full.abs().max() > 0
+        torch.testing.assert_close(lp_replay, lp_full, rtol=0, atol=1e-5)
+        bound = rel_bound(model_stages(base.config) + 1, model_inner(base.config,
+                                                                     mask.shape[1] + 8))
+        for got in (g_replay, g_full):
+            assert float((got.double() - g_exact).norm() / g_exact.norm()) <= bound
+        torch.testing.assert_close(lp_replay, r.logprobs[rows], rtol=0, atol=1e-4)
+
+
 def test_not_replayed_where_the_forward_differs(tiny_model_dir):
     """Dropout, gradient checkpointing or a wrapped projection turn replay off."""
     model, _ = _model(tiny_model_dir, "builtin_tiny")
@@ -146,6 +210,8 @@ def _rl_trainer(tiny_model_dir, out, reward, data, reuse, fn="by_len", **kw):
     dict(algo="dapo", dynamic_sampling_rounds=8, minibatch_size=8, micro_batch_size=8,
          fn="odd_len"),
     dict(algo="grpo", kl_coef=0.04, minibatch_size=8, micro_batch_size=8),
+    # LoRA: the sampler is the merged copy, the reference the adapter switched off
+    dict(algo="grpo", kl_coef=0.04, minibatch_size=8, micro_batch_size=4, lora_rank=4),
 ])
 def test_trainer_step_same_with_and_without_reuse(tiny_model_dir, tmp_path, kw, monkeypatch):
     """A whole step (sampling, old log-probs, several minibatches and epochs at a large

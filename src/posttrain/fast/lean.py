@@ -7,7 +7,12 @@ from __future__ import annotations
 
 import torch
 
-from posttrain.fast.replay import DecodeActivations, policy_version
+from posttrain.fast.replay import (
+    DecodeActivations,
+    is_replayable_projection,
+    lora_parts,
+    policy_version,
+)
 
 
 def _rms_norm(norm):
@@ -28,6 +33,15 @@ def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None,
     if bias is None:
         return torch.mm(x, weight_t, out=out)
     return torch.addmm(bias, x, weight_t, out=out)
+
+def _weight(proj) -> torch.Tensor:
+    """A projection's weight: a plain layer's own, a LoRA layer's merged ``W + s·B·A`` (a
+    new tensor, built per decoder, so it always matches the adapters)."""
+    parts = lora_parts(proj)
+    if parts is None:
+        return proj.weight
+    w, a, b, s = parts
+    return torch.addmm(w, b, a, alpha=s)
 
 def _layer_kv(cache, i: int) -> tuple[torch.Tensor, torch.Tensor]:
     if hasattr(cache, "layers"):  # transformers ≥ 4.56
@@ -52,9 +66,12 @@ class LeanLlamaDecoder:
 
     @classmethod
     def supports(cls, model) -> bool:
-        """A Llama-family model whose decoder layers' projections are plain ``nn.Linear``
-        (the decoder reads their weights; an adapter wrapped around one would be missed)
+        """A Llama-family model, or a peft LoRA model of one, whose decoder layers'
+        projections are plain ``nn.Linear`` or LoRA layers over one (the decoder reads
+        their weights, merging ``W + s·B·A`` per call; any other wrapper would be missed)
         and whose MLP has no biases (the fused gate/up takes none)."""
+        if hasattr(model, "get_base_model"):  # peft
+            model = model.get_base_model()
         cfg = model.config
         if not (type(model).__name__ in cls.ARCHS
                 and getattr(cfg, "sliding_window", None) is None
@@ -67,8 +84,8 @@ class LeanLlamaDecoder:
             a, m = layer.self_attn, layer.mlp
             projections = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj,
                            m.down_proj)
-            if any(type(x) is not torch.nn.Linear for x in projections) or any(
-                    x.bias is not None for x in projections[4:]):
+            if not all(is_replayable_projection(x) for x in projections) or any(
+                    getattr(x, "bias", None) is not None for x in projections[4:]):
                 return False
         return True
 
@@ -78,6 +95,8 @@ class LeanLlamaDecoder:
 
         self.F = F
         self.version = policy_version(model)  # the weights the capture belongs to
+        if hasattr(model, "get_base_model"):  # a peft LoRA model: its adapters merged below
+            model = model.get_base_model()
         base = model.model
         cfg = model.config
         self.nh = cfg.num_attention_heads
@@ -89,14 +108,15 @@ class LeanLlamaDecoder:
             a, m = layer.self_attn, layer.mlp
             # weights transposed once (views), so a step's matmuls can write their results
             # straight into the capture buffers (``torch.mm(..., out=)``)
-            wqk = torch.cat([a.q_proj.weight, a.k_proj.weight]).t()
+            wqk = torch.cat([_weight(a.q_proj), _weight(a.k_proj)]).t()
             bqk = (torch.cat([a.q_proj.bias, a.k_proj.bias]) if a.q_proj.bias is not None
                    else None)
-            wgu = torch.cat([m.gate_proj.weight, m.up_proj.weight]).t()
+            wgu = torch.cat([_weight(m.gate_proj), _weight(m.up_proj)]).t()
             self.layers.append((
-                _rms_norm(layer.input_layernorm), (wqk, bqk), (a.v_proj.weight.t(), a.v_proj.bias),
-                (a.o_proj.weight.t(), a.o_proj.bias), _rms_norm(layer.post_attention_layernorm),
-                (wgu, None), (m.down_proj.weight.t(), m.down_proj.bias), a.scaling))
+                _rms_norm(layer.input_layernorm), (wqk, bqk),
+                (_weight(a.v_proj).t(), a.v_proj.bias), (_weight(a.o_proj).t(), a.o_proj.bias),
+                _rms_norm(layer.post_attention_layernorm), (wgu, None),
+                (_weight(m.down_proj).t(), m.down_proj.bias), a.scaling))
         k0, _ = _layer_kv(cache, 0)
         P, _, Lp, _ = k0.shape
         N = P * n

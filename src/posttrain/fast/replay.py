@@ -58,6 +58,62 @@ class _ReplayedLinear(torch.autograd.Function):
             gb = flat.sum(0)
         return gx, gw, gb, None
 
+def _adapter_grads(gy: torch.Tensor, x: torch.Tensor, a, b, s: float, need_a: bool,
+                   need_b: bool):
+    """The gradients of a LoRA adapter ``s·(x @ A.T) @ B.T`` whose output gradient is
+    ``gy``: ``(gy @ B) @ A · s`` for the input, and A's and B's (None where not needed)."""
+    flat = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
+    gyb = gy @ b  # (..., r): the gradient at the adapter's bottleneck, over s
+    ga = (flat(gyb).T @ flat(x)) * s if need_a else None
+    gb = (flat(gy).T @ (flat(x) @ a.T)) * s if need_b else None
+    return (gyb @ a) * s, ga, gb
+
+
+class _ReplayedLoRALinear(torch.autograd.Function):
+    """A LoRA linear layer ``y = x @ W.T + b + s·(x @ A.T) @ B.T`` (W, b frozen) whose ``y`` is
+    already known (the sampler computed it with the merged ``W + s·B·A``): the forward
+    returns it; the backward gives the input's and the adapters' gradients from the saved
+    ``x`` (``x @ A.T`` is recomputed: rank-wide, cheap), and no gradient for ``W``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, lora_a, lora_b, scaling, y):
+        ctx.save_for_backward(x, weight, lora_a, lora_b)
+        ctx.scaling = scaling
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, weight, a, b = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        gx_lora, ga, gb = _adapter_grads(gy, x, a, b, ctx.scaling, need[2], need[3])
+        gx = gy @ weight + gx_lora if need[0] else None
+        return gx, None, ga, gb, None, None
+
+
+def lora_parts(module):
+    """``(W, A, B, scaling)`` of a peft LoRA linear layer with one active adapter and no
+    dropout, else None (its bias, if any, is frozen: no gradient to give)."""
+    base = getattr(module, "base_layer", None)
+    lora_a = getattr(module, "lora_A", None)
+    if base is None or lora_a is None:
+        return None
+    active = [a for a in module.active_adapters if a in lora_a]
+    if len(active) != 1 or getattr(module, "fan_in_fan_out", False) or \
+            getattr(module, "merged", False) or getattr(module, "disable_adapters", False):
+        return None
+    a = active[0]
+    if type(base) is not torch.nn.Linear or module.use_dora.get(a, False) or \
+            not isinstance(module.lora_dropout[a], torch.nn.Identity):
+        return None
+    return base.weight, module.lora_A[a].weight, module.lora_B[a].weight, module.scaling[a]
+
+
+def is_replayable_projection(module) -> bool:
+    """A projection :func:`replay_forward` can stand in for: a plain ``nn.Linear``, or a
+    peft LoRA layer over one (one adapter, no dropout, no DoRA)."""
+    return type(module) is torch.nn.Linear or lora_parts(module) is not None
+
+
 class _ReplayedSwiGLU(torch.autograd.Function):
     """A SwiGLU MLP, ``down(silu(gate(x)) * up(x))`` without biases, whose gate and up
     projections ``g``, ``u`` and output ``d`` are already known. The forward returns ``d``;
@@ -93,6 +149,41 @@ class _ReplayedSwiGLU(torch.autograd.Function):
         gw_down = flat(gd).T @ flat(act * u) if need[3] else None
         return gx, gw_gate, gw_up, gw_down, None, None, None
 
+
+class _ReplayedLoRASwiGLU(torch.autograd.Function):
+    """:class:`_ReplayedSwiGLU` for an MLP whose three projections all carry LoRA adapters
+    (frozen W; ``g``, ``u``, ``d`` computed by the sampler with merged weights): the
+    backward gives the input's and the six adapter matrices' gradients, keeping only ``x``,
+    ``g`` and ``u`` (``silu(g) * u`` recomputed, as there)."""
+
+    @staticmethod
+    def forward(ctx, x, w_gate, w_up, w_down, a_g, b_g, a_u, b_u, a_d, b_d, scales, g, u, d):
+        ctx.save_for_backward(x, w_gate, w_up, w_down, a_g, b_g, a_u, b_u, a_d, b_d, g, u)
+        ctx.scales = scales
+        return d.view_as(d)
+
+    @staticmethod
+    def backward(ctx, gd):
+        import torch.nn.functional as F
+
+        x, w_gate, w_up, w_down, a_g, b_g, a_u, b_u, a_d, b_d, g, u = ctx.saved_tensors
+        s_g, s_u, s_d = ctx.scales
+        need = ctx.needs_input_grad
+        act = F.silu(g)
+        product = act * u
+        gp_lora, ga_d, gb_d = _adapter_grads(gd, product, a_d, b_d, s_d, need[8], need[9])
+        gp = gd @ w_down + gp_lora
+        inter = g.shape[-1]
+        ggu = gp.new_empty(*gp.shape[:-1], 2 * inter)
+        torch.ops.aten.silu_backward(gp * u, g, grad_input=ggu[..., :inter])
+        torch.mul(gp, act, out=ggu[..., inter:])
+        gg, gu = ggu[..., :inter], ggu[..., inter:]
+        gx_g, ga_g, gb_g = _adapter_grads(gg, x, a_g, b_g, s_g, need[4], need[5])
+        gx_u, ga_u, gb_u = _adapter_grads(gu, x, a_u, b_u, s_u, need[6], need[7])
+        gx = ggu @ torch.cat([w_gate, w_up]) + gx_g + gx_u if need[0] else None
+        return (gx, None, None, None, ga_g, gb_g, ga_u, gb_u, ga_d, gb_d, None, None, None,
+                None)
+
 @contextlib.contextmanager
 def replay_forward(outputs: dict[torch.nn.Module, torch.Tensor | tuple] | None):
     """Within the block, each module in ``outputs`` returns its given output instead of
@@ -104,8 +195,11 @@ def replay_forward(outputs: dict[torch.nn.Module, torch.Tensor | tuple] | None):
 
     The caller vouches that the outputs are what the modules would compute on this call's
     inputs (same weights, same tokens); a call whose input shape does not match its
-    output's, or a module called twice, raises. Each output is taken out of ``outputs``
-    when its module runs, so one that the backward does not need is freed as soon as the
+    output's, or a module called twice, raises. A peft LoRA layer maps to its output like
+    a linear layer, with its adapters' gradients (``_ReplayedLoRALinear``; the sampler that
+    computed the output ran on the merged weights), and an MLP whose three projections are
+    all adapted to its three outputs (``_ReplayedLoRASwiGLU``). Each output is taken out of
+    ``outputs`` when its module runs, so one that the backward does not need is freed as soon as the
     forward is done with it (if the caller holds no other reference). ``None`` changes
     nothing."""
     if not outputs:
@@ -122,8 +216,17 @@ def replay_forward(outputs: dict[torch.nn.Module, torch.Tensor | tuple] | None):
                 raise RuntimeError(f"replayed {type(module).__name__} got input "
                                    f"{tuple(x.shape)} for saved output {tuple(out.shape)}")
             if isinstance(y, tuple):
+                parts = [lora_parts(p) for p in (module.gate_proj, module.up_proj,
+                                                  module.down_proj)]
+                if all(parts):
+                    (wg, ag, bg, sg), (wu, au, bu, su), (wd, ad, bd, sd) = parts
+                    return _ReplayedLoRASwiGLU.apply(x, wg, wu, wd, ag, bg, au, bu, ad, bd,
+                                                     (sg, su, sd), *y)
                 return _ReplayedSwiGLU.apply(x, module.gate_proj.weight, module.up_proj.weight,
                                              module.down_proj.weight, *y)
+            lora = lora_parts(module)
+            if lora is not None:
+                return _ReplayedLoRALinear.apply(x, *lora, y)
             return _ReplayedLinear.apply(x, module.weight, module.bias, y)
         return forward
 
@@ -199,14 +302,19 @@ class DecodeActivations:
         first ``columns`` completion positions."""
         out: dict[torch.nn.Module, torch.Tensor | tuple] = {}
         for layer, saved in zip(decoder_layers(model), self.layers, strict=True):
-            a = layer.self_attn
+            a, m = layer.self_attn, layer.mlp
             cut = {k: v[:, :columns] for k, v in saved.items()}
             inter = cut["gu"].shape[-1] // 2
             q = a.q_proj.out_features
             out.update({a.q_proj: cut["qk"][..., :q], a.k_proj: cut["qk"][..., q:],
-                        a.v_proj: cut["v"],
-                        a.o_proj: cut["o"], layer.mlp: (cut["gu"][..., :inter],
-                                                        cut["gu"][..., inter:], cut["down"])})
+                        a.v_proj: cut["v"], a.o_proj: cut["o"]})
+            gate, up = cut["gu"][..., :inter], cut["gu"][..., inter:]
+            mlp = (m.gate_proj, m.up_proj, m.down_proj)
+            if all(type(p) is torch.nn.Linear for p in mlp) or all(
+                    lora_parts(p) is not None for p in mlp):
+                out[m] = (gate, up, cut["down"])
+            else:  # some adapted: each projection replayed on its own
+                out.update({m.gate_proj: gate, m.up_proj: up, m.down_proj: cut["down"]})
         return out
 
 def can_replay(model) -> bool:

@@ -5,11 +5,13 @@ one of them), and the optimiser holds only A, B (and a reward model's scalar hea
 - **The reference is the base**: the policy with its adapter switched off
   (:func:`adapter_off`), so GRPO's KL, PPO's reward KL and DPO's reference need no second
   copy of the weights.
-- **Sampling runs on merged weights**: a plain model whose adapted layers hold
-  ``W + (α/r)·B·A``, refreshed after every RL step (:func:`merge_into`), so the lean
-  decoder runs and the sampler computes no adapter products. It costs one copy of the
-  adapted layers only; the frozen rest (embeddings, LM head) is shared with the base. The
-  update's forward, through peft, replays nothing.
+- **Sampling runs on merged weights.** Unsharded, the policy itself is the sampler: the
+  lean decoder (``posttrain.fast.lean``) builds ``W + (α/r)·B·A`` into its per-call fused
+  weights, so decoding computes no adapter products and no copy outlives the rollout, and
+  the first update replays the sampled projections' outputs with the adapters' gradients
+  (``posttrain.fast.replay``). Under fsdp the sampler is :func:`plain_copy`: a plain model
+  that shares the frozen weights (embeddings, norms, LM head) and owns the adapted layers,
+  refreshed from the gathered shards after every step (:func:`merge_into`).
 - Checkpoints and ``final/`` hold the adapter in peft's format (``adapter_config.json``,
   ``adapter_model.safetensors``); :func:`merge` writes a plain Hugging Face model.
 """

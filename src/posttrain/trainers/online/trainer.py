@@ -81,9 +81,11 @@ class RLTrainer(Job):
         self.policy = trained.load_trained(cfg, resume, lambda name: trained.load_policy(
             cfg, name, trained=True))
         self.sharded = cfg.parallel == "fsdp"
-        # sharded, or adapted: the engine samples from a plain copy of the policy (in the
-        # run's dtype, not FSDP's masters'; LoRA: its merged weights), refreshed every step
-        self.merged = lora.is_adapted(self.policy) and not cfg.load_in_4bit
+        # sharded: the engine samples from a plain copy of the policy (in the run's dtype,
+        # not FSDP's masters'; LoRA: the base's frozen weights shared, the adapted layers
+        # merged), refreshed every step. Unsharded LoRA samples from the policy itself (the
+        # lean decoder merges the adapters into its per-call weights).
+        self.merged = self.sharded and lora.is_adapted(self.policy)
         self.sampler = self.policy
         if self.merged:
             self.sampler = lora.plain_copy(self.policy).eval()
@@ -239,7 +241,7 @@ class RLTrainer(Job):
             recorded = (dist.assemble(recorded[0][own], own, len(mask)),
                         dist.assemble(recorded[1][own].float(), own, len(mask)).bool())
         # 5. the sampler follows the policy; metrics
-        if self.merged:  # (gathered from the shards when sharded)
+        if self.merged:  # gathered from the shards
             lora.merge_into(self.sampler, self.policy)
         elif self.sharded:
             sharding.copy_full_weights(self.sampler, self.policy)
@@ -259,7 +261,7 @@ class RLTrainer(Job):
                                       mask * recorded[1][:, None]))
         if kl is not None and train_policy:  # while the critic warms up the policy is the ref
             self.kl_ctl.update(kl, int(valid.sum()))
-        return StepResult(values=record)
+        return StepResult(values=record, tokens=exp.sampled_tokens)
 
     def _passes(self, algo, tokens: TokenBatch | None, own: torch.Tensor, mask: torch.Tensor):
         """Old log-probs (None when the first update's ratio is exactly 1 and no reward KL
