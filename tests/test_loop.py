@@ -278,3 +278,42 @@ def test_resume_restores_the_rng_that_dropout_draws_from(tmp_path):
                  str(whole / "checkpoint-3")]) == 0
     a, b = _weights(whole / "final"), _weights(again / "final")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("command", ["sft", "grpo"])
+def test_a_token_budget_ends_the_run_after_the_step_that_spends_it(command, tiny_model_dir,
+                                                                  tmp_path):
+    """``max_tokens``: the run stops after the first step whose running count of completion
+    tokens reaches the budget, with its row logged (whatever log_every), the final
+    evaluation and final/ written; the count is what the steps report, and a checkpoint
+    carries it into a resumed run."""
+    whole = tmp_path / "whole"
+    args = _args(command, tiny_model_dir, whole, *CONSTANT)
+    assert _cli(args) == 0
+    rows = [r for r in _rows(whole) if "samples/tokens_total" in r]
+    per_step = rows[1]["samples/tokens_total"] - rows[0]["samples/tokens_total"]
+    assert per_step > 0
+    budget = int(rows[2]["samples/tokens_total"]) - 1  # spent during step 6 (log_every 2)
+    out = tmp_path / "budget"
+    assert _cli(_args(command, tiny_model_dir, out, *CONSTANT, "--max_tokens",
+                      str(budget))) == 0
+    got = _rows(out)
+    last = [r for r in got if "samples/tokens_total" in r][-1]
+    assert last["step"] == 6 and last["samples/tokens_total"] >= budget
+    assert next(r for r in _rows(whole) if r["step"] == 6)["samples/tokens_total"] == \
+        last["samples/tokens_total"]
+    assert json.loads((out / "final" / ckpt.MANIFEST).read_text())["step"] == 6
+    assert any("eval/" in k for r in got if r["step"] == 6 for k in r)  # the final evaluation
+    # resumed from checkpoint-3 with the budget: the count goes on from the checkpoint's
+    again = tmp_path / "again"
+    assert _cli(_args(command, tiny_model_dir, again, *CONSTANT, "--max_tokens", str(budget),
+                      "--resume_from", str(whole / "checkpoint-3"))) == 0
+    assert [r["step"] for r in _rows(again) if "samples/tokens_total" in r][-1] == 6
+
+
+def test_a_time_budget_ends_the_run(tiny_model_dir, tmp_path):
+    out = tmp_path / "t"
+    assert _cli(_args("sft", tiny_model_dir, out, "--max_seconds", "1e-9")) == 0
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 1 and rows[0]["time/train_s"] > 0
+    assert (out / "final").exists()

@@ -69,12 +69,15 @@ def barrier() -> None:
         td.barrier()
 
 
-def sum_floats(values: list[float], device: torch.device | str = "cpu") -> list[float]:
-    """``values`` summed over ranks (float64), in one collective."""
+def sum_floats(values: list[float]) -> list[float]:
+    """``values`` summed over ranks (float64), in one collective (on the current GPU under
+    NCCL, which takes no host tensors)."""
     if world_size() == 1:
         return list(values)
     import torch.distributed as td
 
+    device = (torch.device("cuda", torch.cuda.current_device())
+              if td.get_backend() == "nccl" else torch.device("cpu"))
     t = torch.tensor(values, dtype=torch.float64, device=device)
     td.all_reduce(t)
     return t.tolist()

@@ -58,6 +58,16 @@ class RunConfig:
     max_steps: int = 0
     """Steps to run (optimiser steps offline, RL steps online); 0 = derived from epochs
     (offline commands)."""
+    max_tokens: int = 0
+    """A token budget: end the run (final evaluation, final/) after the step that takes the
+    completion tokens past this many (RL: every token sampled, dynamic sampling's dropped
+    rounds included; offline: the completions trained on); 0 = no budget. metrics.jsonl
+    logs the running count as samples/tokens_total. The schedule is still laid over
+    max_steps, so with a budget use lr_schedule=constant (or set max_steps to match)."""
+    max_seconds: float = 0.0
+    """A time budget: end the run the same way after the step that takes the training time
+    (the steps' own seconds, evaluations left out) past this; 0 = no budget. Logged as
+    time/train_s."""
     max_grad_norm: float = 1.0
     """Gradient-norm clipping threshold; 0 = no clipping."""
     log_every: int = 10
@@ -154,6 +164,8 @@ class RunConfig:
         check(0 <= self.warmup_ratio < 1, "warmup_ratio must be in [0, 1)")
         check(self.eval_batch_size >= 1, "eval_batch_size must be ≥ 1")
         check(self.max_steps >= 0, f"max_steps must be ≥ 0, got {self.max_steps}")
+        check(self.max_tokens >= 0 and self.max_seconds >= 0,
+              "max_tokens and max_seconds must be ≥ 0 (0: no budget)")
         check(self.log_every >= 1, f"log_every must be ≥ 1, got {self.log_every}")
         check(self.eval_every >= 0 and self.save_every >= 0,
               "eval_every and save_every must be ≥ 0")

@@ -101,7 +101,8 @@ def truncate_metrics(path: Path, step: int) -> int:
 # --- manifests: what makes a checkpoint complete -------------------------------------------------
 
 MANIFEST = "manifest.json"
-RESUMABLE_DIFFERENCES = frozenset({"max_steps", "resume_from", "output_dir", "overwrite",
+RESUMABLE_DIFFERENCES = frozenset({"max_steps", "max_tokens", "max_seconds", "resume_from",
+                                   "output_dir", "overwrite",
                                    "on_nonfinite", "on_reward_error", "parallel",
                                    "cpu_offload"})
 """Config keys a resumed run may change: how far to go, where to write, what to do on a

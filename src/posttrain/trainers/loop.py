@@ -23,7 +23,7 @@ import signal
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -148,6 +148,29 @@ class StepResult:
     sums: dict[str, float] = field(default_factory=dict)
     units: float = 0.0
     values: dict[str, float] = field(default_factory=dict)
+    tokens: int = 0
+    """Completion tokens the step sampled (RL) or trained on (offline), every rank's: the
+    count ``max_tokens`` budgets."""
+
+
+@dataclass
+class Totals:
+    """What the run has spent so far (resumable): completion tokens and the steps' seconds,
+    against the ``max_tokens`` / ``max_seconds`` budgets."""
+
+    tokens: int = 0
+    train_s: float = 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.tokens += tokens
+        self.train_s += seconds
+
+    def spent(self, cfg) -> bool:
+        return bool((cfg.max_tokens and self.tokens >= cfg.max_tokens)
+                    or (cfg.max_seconds and self.train_s >= cfg.max_seconds))
+
+    def row(self) -> dict[str, float]:
+        return {"samples/tokens_total": self.tokens, "time/train_s": self.train_s}
 
 
 class Job:
@@ -266,7 +289,7 @@ class Window:
 
 
 def save_checkpoint(path: Path, job: Job, step: int, window: Window, run_id: str,
-                    cfg) -> None:
+                    cfg, totals: Totals | None = None) -> None:
     """Everything a resume needs, written atomically with its manifest last (see
     :mod:`.checkpoint`)."""
     check_finite_weights(job.models(), step)
@@ -287,13 +310,14 @@ def save_checkpoint(path: Path, job: Job, step: int, window: Window, run_id: str
                   str(tmp / "state.safetensors"))
         (tmp / ckpt.STATE).write_text(json.dumps(
             {"format": ckpt.FORMAT, "step": step, "rng": rng_meta, "job": meta,
-             "window": window.state(), "skipped": {o.name: o.skipped for o in job.optimizers}}))
+             "window": window.state(), "skipped": {o.name: o.skipped for o in job.optimizers},
+             "totals": asdict(totals or Totals())}))
         ckpt.write_manifest(tmp, step, run_id, cfg)
     ckpt.write_atomically(path, write)
     dist.barrier()
 
 
-def load_checkpoint(path: Path, job: Job, window: Window) -> int:
+def load_checkpoint(path: Path, job: Job, window: Window, totals: Totals | None = None) -> int:
     """Restore what :func:`save_checkpoint` wrote (the job has already loaded its models
     from ``path``); returns the step."""
     state = json.loads((path / ckpt.STATE).read_text())
@@ -305,17 +329,22 @@ def load_checkpoint(path: Path, job: Job, window: Window) -> int:
     ckpt.set_rng_state(state["rng"], {k[4:]: v for k, v in tensors.items()
                                       if k.startswith("rng.")})
     window.load(state["window"])
+    if totals is not None:
+        spent = state.get("totals", {})
+        totals.tokens, totals.train_s = int(spent.get("tokens", 0)), float(spent.get("train_s",
+                                                                                      0.0))
     return int(state["step"])
 
 
 def _log_row(cfg, job: Job, writer: MetricsWriter, window: Window, step: int, total: int,
-             lr: float, t_start: float) -> dict[str, float]:
+             lr: float, t_start: float, totals: Totals) -> dict[str, float]:
     """The row of ``step`` (the window's means on a log step, an evaluation on an eval step),
     written; the window is reset by the caller."""
     row: dict[str, float] = {}
     if step % cfg.log_every == 0 or step == total:
         row.update(window.means())
-        row.update({"train/lr": lr, "time/elapsed_s": time.perf_counter() - t_start})
+        row.update({"train/lr": lr, "time/elapsed_s": time.perf_counter() - t_start,
+                    **totals.row()})
         skipped = sum(o.skipped for o in job.optimizers)
         if skipped:
             row["optim/nonfinite_skipped"] = skipped
@@ -347,10 +376,10 @@ def run(cfg, job: Job, total_steps: int) -> dict[str, float]:
     if dist.is_main():
         rundir.prepare_output(cfg, Path(cfg.resume_from) if cfg.resume_from else None)
     dist.barrier()
-    window = Window()
+    window, totals = Window(), Totals()
     step0, run_id = 0, uuid.uuid4().hex
     if cfg.resume_from:
-        step0 = load_checkpoint(Path(cfg.resume_from), job, window)
+        step0 = load_checkpoint(Path(cfg.resume_from), job, window, totals)
         run_id = json.loads((Path(cfg.resume_from) / ckpt.MANIFEST).read_text())["run_id"]
         if dist.is_main():  # one writer: another rank's repair would orphan rank 0's file
             ckpt.truncate_metrics(out / "metrics.jsonl", step0)
@@ -379,8 +408,11 @@ def run(cfg, job: Job, total_steps: int) -> dict[str, float]:
             with progress:
                 task = progress.add_task(job.name, total=total_steps, completed=step0, info="")
                 for step in range(step0 + 1, total_steps + 1):
-                    window = _one_step(cfg, job, writer, window, step, total_steps, schedule,
-                                       t_start, last)
+                    window, spent = _one_step(cfg, job, writer, window, step, total_steps,
+                                              schedule, t_start, last, totals)
+                    if spent and step < total_steps:  # the budget ends the run here
+                        total_steps = step
+                        progress.update(task, total=step)
                     progress.advance(task)
                     if step % cfg.log_every == 0 or step == total_steps:
                         info = "  ".join(f"{label} {last[key]:.3f}"
@@ -390,10 +422,12 @@ def run(cfg, job: Job, total_steps: int) -> dict[str, float]:
                             print(f"[{job.name}] step {step}/{total_steps}  {info}",
                                   file=sys.stderr, flush=True)
                     if stop.stopping() and step != total_steps:
-                        _stop(cfg, job, out, step, window, run_id, stop.received)
+                        _stop(cfg, job, out, step, window, run_id, stop.received, totals)
                     if cfg.save_every and step % cfg.save_every == 0 and step != total_steps:
                         save_checkpoint(out / f"checkpoint-{step}", job, step, window, run_id,
-                                        cfg)
+                                        cfg, totals)
+                    if step == total_steps:
+                        break
             stopped = stop.stopping()
             if not stopped:  # a signal here: the steps are done, write final/ now
                 final = job.evaluate()
@@ -418,9 +452,11 @@ def run(cfg, job: Job, total_steps: int) -> dict[str, float]:
 
 
 def _one_step(cfg, job: Job, writer: MetricsWriter, window: Window, step: int, total: int,
-              schedule, t_start: float, last: dict) -> Window:
+              schedule, t_start: float, last: dict, totals: Totals) -> tuple[Window, bool]:
     """Step ``step``: the scheduled learning rates, the job's step, its checks, the metrics
-    window and row; returns the window to go on with."""
+    window and row; returns the window to go on with, and whether the budget
+    (``max_tokens``, ``max_seconds``) is spent (this step is then the last: its row is
+    written whatever ``log_every``)."""
     t0 = time.perf_counter()
     lrs = [o.set_lr(schedule(step - 1)) for o in job.optimizers]
     skipped = _skipped(job)
@@ -431,24 +467,32 @@ def _one_step(cfg, job: Job, writer: MetricsWriter, window: Window, step: int, t
     if cfg.on_nonfinite == "raise":
         check_step({**result.values, **{k: v / max(result.units, 1)
                                         for k, v in result.sums.items()}}, step)
+    seconds = time.perf_counter() - t0
+    if cfg.max_seconds and dist.world_size() > 1:  # one clock for the budget: every rank
+        seconds = dist.sum_floats([seconds])[0] / dist.world_size()  # stops at one step
+    totals.add(result.tokens, seconds)
+    if totals.spent(cfg):
+        total = step
     if _skipped(job) == skipped:  # a step whose update was left out has no metrics
         job.skipped_in_a_row = 0
-        window.add(result, time.perf_counter() - t0)
+        window.add(result, seconds)
     else:
         job.skipped_in_a_row = getattr(job, "skipped_in_a_row", 0) + 1
         if job.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
             raise NonFiniteError(f"step {step}: {job.skipped_in_a_row} steps in a row had a "
                                  "non-finite gradient and were skipped; stopped (lower --lr, "
                                  "check the data and rewards)")
-    row = _log_row(cfg, job, writer, window, step, total, lrs[0] if lrs else 0.0, t_start)
+    row = _log_row(cfg, job, writer, window, step, total, lrs[0] if lrs else 0.0, t_start,
+                   totals)
     last.update(row)
-    return Window() if step % cfg.log_every == 0 or step == total else window
+    return (Window() if step % cfg.log_every == 0 or step == total else window), total == step
 
 
-def _stop(cfg, job: Job, out: Path, step: int, window: Window, run_id: str, signum: int):
+def _stop(cfg, job: Job, out: Path, step: int, window: Window, run_id: str, signum: int,
+          totals: Totals):
     """A checkpoint of ``step``, one line with the resume command, exit 128 + signal."""
     path = out / f"checkpoint-{step}"
-    save_checkpoint(path, job, step, window, run_id, cfg)
+    save_checkpoint(path, job, step, window, run_id, cfg, totals)
     name = signal.Signals(signum).name
     if dist.is_main():
         print(f"[{job.name}] {name}: stopped after step {step}, checkpoint {path}; resume with: "

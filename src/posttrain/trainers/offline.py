@@ -46,6 +46,14 @@ def _splits(cfg: OfflineConfig, kind: str, builtin_rows):
     eval_name, held = (data_mod.load(cfg.eval_data, kind) if cfg.eval_data else (name, []))
     return name, train, eval_name, held
 
+def _completion_tokens(batch: dict) -> int:
+    """The completion tokens of a collated batch (a pair's: both completions)."""
+    for key in ("loss_mask", "completion_mask"):
+        if key in batch:
+            return int(batch[key].sum())
+    return int(batch["attention_mask"].sum())
+
+
 def _pair_batch(examples: list[data_mod.Encoded], pad_id: int, share_prompt: bool = False
                 ) -> dict:
     """Chosen rows first, then rejected: ``(2B, T)`` full sequences, or with ``share_prompt``
@@ -137,7 +145,8 @@ class OfflineJob(Job):
         micro = [self.to_device(self.collate(dist.shard([self.train_examples[next(self.stream)]
                                                          for _ in range(cfg.batch_size)])))
                  for _ in range(cfg.grad_accum)]
-        step_units = dist.sum_floats([sum(self.units(b) for b in micro)])[0]
+        step_units, tokens = dist.sum_floats([sum(self.units(b) for b in micro),
+                                              sum(_completion_tokens(b) for b in micro)])
         sums: dict[str, torch.Tensor] = {}
         for batch in micro:
             loss_sum, metric_sums = self.loss(batch)
@@ -148,7 +157,7 @@ class OfflineJob(Job):
         keys = sorted(sums)
         totals = dist.sum_floats([float(sums[k]) for k in keys])
         return StepResult(dict(zip(keys, totals, strict=True)), step_units,
-                          {"train/grad_norm": norm})
+                          {"train/grad_norm": norm}, tokens=int(tokens))
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:

@@ -39,6 +39,8 @@ class Experience:
     """Seconds spent sampling (every round)."""
     reward_s: float = 0.0
     """Seconds spent scoring (every round)."""
+    sampled_tokens: int = 0
+    """Completion tokens sampled, every round's (those of dropped groups too)."""
     local: Rollout | None = None
     """This rank's samples (rows ``own`` of ``rollout``, with the projections' outputs
     when captured); ``rollout`` itself in a world of one."""
@@ -98,7 +100,7 @@ class ExperienceMaker:
         rank) and the round is gathered, so every rank decides on the same samples."""
         cfg, want, G = self.cfg, self.cfg.prompts_per_step, self.cfg.group_size
         parts, locals_, owns = [], [], []
-        kept = dropped = rounds = offset = 0
+        kept = dropped = rounds = offset = sampled = 0
         t_gen = t_reward = 0.0
         while kept < want and rounds < (cfg.dynamic_sampling_rounds
                                          if self.algo.dynamic_sampling else 1):
@@ -114,6 +116,7 @@ class ExperienceMaker:
             scored = self.score([rows[j] for j in slots], local)
             t_gen, t_reward = t_gen + t1 - t0, t_reward + time.perf_counter() - t1
             rollout, (total, terms, valid, correct), own = self._gather(local, scored, slots)
+            sampled += int(rollout.lengths.sum())
             if self.algo.dynamic_sampling:
                 signal = groups_with_signal(total, rollout.group_ids)
                 groups = rollout.group_ids[signal].unique()[: want - kept]
@@ -153,7 +156,7 @@ class ExperienceMaker:
         return Experience(rollout, torch.cat([p[1] for p in parts]),
                           {k: torch.cat([p[2][k] for p in parts]) for k in parts[0][2]},
                           torch.cat([p[3] for p in parts]), torch.cat([p[4] for p in parts]),
-                          rounds, dropped, t_gen, t_reward, local, torch.cat(owns))
+                          rounds, dropped, t_gen, t_reward, sampled, local, torch.cat(owns))
 
     def _gather(self, local: Rollout, scored: tuple, slots: list[int]):
         """The round's samples of every rank in slot order (the order one process samples
