@@ -37,12 +37,15 @@ def is_sharded(model) -> bool:
     return bool(getattr(model, "posttrain_sharded", False))
 
 
-def load_dtype(cfg, device: torch.device) -> str:
+def load_dtype(cfg, device: torch.device, adapted: bool | None = None) -> str:
     """The dtype to load trained weights in: float32 masters under FSDP on CUDA with
-    bfloat16 (the layers compute in bfloat16), else ``cfg.dtype`` (and always for a LoRA
-    base: frozen, it has no masters to keep; peft keeps its adapters in float32)."""
+    bfloat16 (the layers compute in bfloat16), else ``cfg.dtype`` (and always for a model
+    that gets LoRA adapters, ``adapted``, by default ``lora_rank > 0``: its base is frozen,
+    with no masters to keep, and peft keeps the adapters in float32)."""
+    if adapted is None:
+        adapted = getattr(cfg, "lora_rank", 0) > 0
     if getattr(cfg, "parallel", "ddp") == "fsdp" and device.type == "cuda" \
-            and cfg.dtype == "bfloat16" and not getattr(cfg, "lora_rank", 0):
+            and cfg.dtype == "bfloat16" and not adapted:
         return "float32"
     return cfg.dtype
 

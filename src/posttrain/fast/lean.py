@@ -40,8 +40,8 @@ def _weight(proj) -> torch.Tensor:
     parts = lora_parts(proj)
     if parts is None:
         return proj.weight
-    w, a, b, s = parts
-    return torch.addmm(w, b, a, alpha=s)
+    w, a, b, s = parts  # merged in the adapters' dtype (peft keeps them float32), then cast
+    return torch.addmm(w.to(a.dtype), b, a, alpha=s).to(w.dtype)
 
 def _layer_kv(cache, i: int) -> tuple[torch.Tensor, torch.Tensor]:
     if hasattr(cache, "layers"):  # transformers ≥ 4.56

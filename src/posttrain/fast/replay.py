@@ -61,12 +61,16 @@ class _ReplayedLinear(torch.autograd.Function):
 def _adapter_grads(gy: torch.Tensor, x: torch.Tensor, a, b, s: float, need_a: bool,
                    need_b: bool):
     """The gradients of a LoRA adapter ``s·(x @ A.T) @ B.T`` whose output gradient is
-    ``gy``: ``(gy @ B) @ A · s`` for the input, and A's and B's (None where not needed)."""
+    ``gy``: ``(gy @ B) @ A · s`` for the input (in ``gy``'s dtype), and A's and B's (None
+    where not needed), computed in the adapters' dtype as peft's forward computes (it keeps
+    them float32 over a half-precision base)."""
     flat = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
+    dtype = gy.dtype
+    gy, x = gy.to(a.dtype), x.to(a.dtype)
     gyb = gy @ b  # (..., r): the gradient at the adapter's bottleneck, over s
     ga = (flat(gyb).T @ flat(x)) * s if need_a else None
     gb = (flat(gy).T @ (flat(x) @ a.T)) * s if need_b else None
-    return (gyb @ a) * s, ga, gb
+    return ((gyb @ a) * s).to(dtype), ga, gb
 
 
 class _ReplayedLoRALinear(torch.autograd.Function):
@@ -91,8 +95,9 @@ class _ReplayedLoRALinear(torch.autograd.Function):
 
 
 def lora_parts(module):
-    """``(W, A, B, scaling)`` of a peft LoRA linear layer with one active adapter and no
-    dropout, else None (its bias, if any, is frozen: no gradient to give)."""
+    """``(W, A, B, scaling)`` of a peft LoRA linear layer with one active, plain adapter (no
+    dropout, DoRA, bias on B or other variant), else None (the base's bias, if any, is
+    frozen: no gradient to give)."""
     base = getattr(module, "base_layer", None)
     lora_a = getattr(module, "lora_A", None)
     if base is None or lora_a is None:
@@ -103,6 +108,8 @@ def lora_parts(module):
         return None
     a = active[0]
     if type(base) is not torch.nn.Linear or module.use_dora.get(a, False) or \
+            getattr(module, "lora_bias", {}).get(a, False) or \
+            a in getattr(module, "lora_variant", {}) or \
             not isinstance(module.lora_dropout[a], torch.nn.Identity):
         return None
     return base.weight, module.lora_A[a].weight, module.lora_B[a].weight, module.scaling[a]

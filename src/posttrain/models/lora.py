@@ -9,9 +9,10 @@ one of them), and the optimiser holds only A, B (and a reward model's scalar hea
   lean decoder (``posttrain.fast.lean``) builds ``W + (α/r)·B·A`` into its per-call fused
   weights, so decoding computes no adapter products and no copy outlives the rollout, and
   the first update replays the sampled projections' outputs with the adapters' gradients
-  (``posttrain.fast.replay``). Under fsdp the sampler is :func:`plain_copy`: a plain model
-  that shares the frozen weights (embeddings, norms, LM head) and owns the adapted layers,
-  refreshed from the gathered shards after every step (:func:`merge_into`).
+  (``posttrain.fast.replay``). Under fsdp the sampler is :func:`plain_copy`, made before
+  sharding: it keeps the frozen weights whole (the policy then holds only its shards) and
+  owns the adapted layers, set from the gathered W, A and B after every step
+  (:func:`merge_into`).
 - Checkpoints and ``final/`` hold the adapter in peft's format (``adapter_config.json``,
   ``adapter_model.safetensors``); :func:`merge` writes a plain Hugging Face model.
 """

@@ -159,8 +159,9 @@ class RLTrainer(Job):
         source = self.critic_source()
 
         def load(name: str):
-            return load_reward_model(name, self.tok, sharding.load_dtype(cfg, self.device),
-                                     cfg.device, cfg.trust_remote_code)
+            return load_reward_model(name, self.tok, sharding.load_dtype(
+                cfg, self.device, adapted=bool(cfg.lora_rank and cfg.critic_lora)),
+                cfg.device, cfg.trust_remote_code)
 
         if cfg.critic_lora:  # its base from the source, its adapter and head trained
             base = load(source)
