@@ -4,6 +4,7 @@
     posttrain eval --model DIR [--task builtin | --data FILE --reward module:function]
     posttrain merge RUN/final --output DIR
     posttrain plot RUN_DIR... [--metrics KEY ...] [--output FILE.png]
+    posttrain compare [--algos ...] [--seeds 3] [--budget tokens|seconds] [--moe true|false]
     posttrain demo
 
 Training commands map a YAML file and ``--key value`` overrides onto the same typed config
@@ -108,6 +109,24 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--metrics", nargs="+", default=None,
                     help="metric keys (default: accuracy, reward, loss and KL where logged)")
     pl.add_argument("--output", default="metrics.png", help="the PNG to write")
+    from posttrain.compare import DEFAULT_ALGOS
+
+    cp = sub.add_parser("compare", help="the algorithms side by side on the built-in task: "
+                                        "same start, same budget, several seeds; a Markdown "
+                                        "report with learning curves")
+    cp.add_argument("--algos", nargs="+", default=list(DEFAULT_ALGOS),
+                    help="sft (the start), dpo, ppo and the grpo family's --algo names")
+    cp.add_argument("--seeds", type=int, default=3)
+    cp.add_argument("--budget", default="tokens", choices=["tokens", "seconds"],
+                    help="equal completion tokens (sampled, or trained on offline) or equal "
+                         "seconds of training steps")
+    cp.add_argument("--tokens", type=int, default=40_000)
+    cp.add_argument("--seconds", type=float, default=20.0)
+    cp.add_argument("--moe", default="true", choices=["true", "false"],
+                    help="also GRPO against GSPO on a small mixture-of-experts policy")
+    cp.add_argument("--moe_seeds", type=int, default=None, help="default: --seeds")
+    cp.add_argument("--output", default="runs/compare")
+    cp.add_argument("--device", default="cpu")
     sub.add_parser("demo", help="train a toy policy with every RL algorithm of the core "
                                 "(seconds, CPU)")
     return parser
@@ -244,6 +263,15 @@ def _dispatch(parser, args, rest) -> int:
         from posttrain.plot import plot
 
         print(_json({"plot": str(plot(args.runs, args.metrics, args.output))}))
+        return 0
+    if args.command == "compare":
+        from posttrain.compare import run_compare
+
+        _quiet_transformers()
+        report = run_compare(args.algos, args.seeds, args.budget, args.tokens, args.seconds,
+                             args.moe == "true", args.output, args.device, args.moe_seeds,
+                             log=lambda s: print(s, file=sys.stderr, flush=True))
+        print(_json({"report": str(report)}))
         return 0
     if args.command == "demo":
         from posttrain.demo import main as demo_main

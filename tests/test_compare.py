@@ -1,0 +1,61 @@
+"""``posttrain compare``: the upcycled mixture-of-experts start computes the dense model it
+came from, and a small study (two algorithms and the start, one seed, a small token budget,
+the MoE study included) writes its report, curves and results with every run inside its
+budget."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import torch
+
+from bounds import model_inner, model_stages, rel_bound
+from posttrain import compare
+from posttrain.cli import main
+from posttrain.models import load_causal_lm
+
+
+def test_an_upcycled_model_computes_the_dense_one():
+    """Identical experts (no noise): whatever the router picks, the top-k weights sum to
+    one, so the logits are the dense model's within two float32 forwards' bound."""
+    dense = load_causal_lm("builtin", device="cpu").eval()
+    moe = compare.upcycle(dense, noise=0.0).eval()
+    assert type(moe).__name__ == "MixtralForCausalLM"
+    ids = torch.randint(3, 200, (4, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = dense(ids).logits.double(), moe(ids).logits.double()
+    bound = 2 * rel_bound(model_stages(dense.config, backward=False) + 2,
+                          model_inner(dense.config, 12))
+    assert float((a - b).norm() / a.norm()) <= bound
+    jittered = compare.upcycle(dense, noise=0.05).eval()
+    with torch.no_grad():
+        c = jittered(ids).logits.double()
+    assert float((a - c).norm() / a.norm()) > 100 * bound  # the experts do part
+
+
+def test_a_small_study_writes_its_report(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(compare, "MOE_SFT_STEPS", 4)
+    out = tmp_path / "cmp"
+    assert main(["compare", "--algos", "sft", "grpo", "dpo", "--seeds", "1", "--tokens",
+                 "1500", "--moe_seeds", "1", "--output", str(out)]) == 0
+    assert json.loads(capsys.readouterr().out)["report"] == str(out / "report.md")
+    results = json.loads((out / "results.json").read_text())
+    for algo in ("grpo", "dpo"):
+        (run,) = results["algos"][algo]
+        # the budget: stopped on the first step past it, so within one step of it
+        assert 1500 <= run["tokens"] < 1500 + 16 * 8 * 8
+        assert 0 <= run["accuracy"] <= 1 and math.isfinite(run["kl"]) and run["curve"]
+        assert run["peak_rss_mib"] > 0
+    assert set(results["moe"]["runs"]) == {"grpo", "gspo"}
+    report = (out / "report.md").read_text()
+    for text in ("| grpo |", "| dpo |", "sft (the start)", "GRPO against GSPO",
+                 "stability advantage", "curves.png"):
+        assert text in report
+    assert (out / "curves.png").stat().st_size > 0
+
+
+def test_an_unknown_algorithm_is_one_line(tmp_path, capsys):
+    assert main(["compare", "--algos", "grpo", "ppo2", "--output", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown algorithm 'ppo2'" in err[0]
