@@ -1,0 +1,123 @@
+"""Reward-model training seconds per optimiser step: posttrain's ``rm`` against TRL's
+``RewardTrainer``, same model, pairs and settings, alternating runs in one session.
+
+Settings (``identical``): 16 preference pairs per step, the Bradley–Terry loss without a
+margin or centring term, fp32, no gradient checkpointing, lr 1e-5, linear schedule without
+warm-up. ``defaults``: the same batch and model with each library's other defaults (TRL's
+turn gradient checkpointing on). The model is a causal LM's backbone with a fresh scalar
+head (``AutoModelForSequenceClassification``, one label) on both sides.
+
+Models: ``small``, ``medium`` and ``large`` of ``common.SIZES``, random init with the
+built-in byte tokenizer; the pairs are the built-in task's. Each run is a fresh subprocess;
+per-step times skip the first ``--warmup`` steps; we report the median step, the median
+over repeats and their ratio.
+
+Usage: python benchmarks/rm_speed.py [--sizes small medium] [--repeats 3] [--steps 12]
+Needs the bench extra: pip install -e '.[bench]'
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import SIZES, child_env, comparison_parser, print_comparison, run_comparisons
+
+PAIRS, LR = 16, 1e-5
+
+
+def _prepare(work: Path, size: str, steps: int) -> tuple[Path, Path]:
+    from posttrain.builtin import task
+    from posttrain.builtin.build import init_model
+
+    model_dir = work / f"model-{size}"
+    if not model_dir.exists():
+        init_model(model_dir, **SIZES[size])
+    data = work / "pairs.jsonl"
+    if not data.exists():
+        rows = task.preference_rows(PAIRS * (steps + 2), "train")
+        data.write_text("".join(json.dumps({k: r[k] for k in ("prompt", "chosen", "rejected")})
+                                + "\n" for r in rows))
+    return model_dir, data
+
+
+def _run_posttrain(model_dir: Path, data: Path, steps: int, setting: str, out: Path) -> dict:
+    from posttrain.trainers.offline import RMConfig, run_rm
+
+    cfg = RMConfig(model=str(model_dir), data=str(data), output_dir=str(out), max_steps=steps,
+                   batch_size=PAIRS, lr=LR, log_every=1, device="cpu", warmup_ratio=0.0,
+                   lr_schedule="linear", tensorboard=False)
+    cfg.validate()
+    t0 = time.perf_counter()
+    run_rm(cfg)
+    total = time.perf_counter() - t0
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return {"step_s": [r["time/step_s"] for r in rows if "time/step_s" in r], "total_s": total}
+
+
+def _run_trl(model_dir: Path, data: Path, steps: int, setting: str, out: Path) -> dict:
+    import datasets
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
+    from trl import RewardConfig, RewardTrainer
+
+    times: list[float] = []
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            self.t = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            times.append(time.perf_counter() - self.t)
+
+    ds = datasets.load_dataset("json", data_files=str(data), split="train")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1)
+    model.config.pad_token_id = tok.pad_token_id
+    common = dict(output_dir=str(out), per_device_train_batch_size=PAIRS, max_steps=steps,
+                  learning_rate=LR, report_to="none", save_strategy="no", use_cpu=True,
+                  disable_tqdm=True, logging_steps=10_000, dataloader_num_workers=0)
+    if setting == "identical":
+        args = RewardConfig(**common, bf16=False, gradient_checkpointing=False,
+                            lr_scheduler_type="linear", warmup_steps=0)
+    else:
+        args = RewardConfig(**common)
+    t0 = time.perf_counter()
+    trainer = RewardTrainer(model=model, args=args, train_dataset=ds, processing_class=tok,
+                            callbacks=[StepTimer()])
+    trainer.train()
+    return {"step_s": times, "total_s": time.perf_counter() - t0}
+
+
+def _child(args) -> int:
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+    work = Path(args.work)
+    model_dir, data = _prepare(work, args.size, args.steps)
+    out = Path(tempfile.mkdtemp(prefix=f"{args.impl}-", dir=work))
+    fn = _run_posttrain if args.impl == "posttrain" else _run_trl
+    print("RESULT " + json.dumps(fn(model_dir, data, args.steps, args.setting, out)))
+    return 0
+
+
+def main() -> int:
+    args = comparison_parser(__doc__, steps=12).parse_args()
+    if args.child:
+        args.impl, args.size, args.setting = args.child
+        return _child(args)
+    work = Path(args.work or tempfile.mkdtemp(prefix="posttrain-rm-bench-"))
+    table = run_comparisons(__file__, args, work)
+    print_comparison(f"Reward model, {PAIRS} pairs/step, fp32, CPU threads="
+                     f"{child_env()['OMP_NUM_THREADS']}, {args.steps} steps (first "
+                     f"{args.warmup} skipped), median of {args.repeats} alternating runs",
+                     table, digits=4, run_time=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
