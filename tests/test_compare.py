@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 import torch
 
 from bounds import model_inner, model_stages, rel_bound
@@ -34,6 +35,7 @@ def test_an_upcycled_model_computes_the_dense_one():
     assert float((a - c).norm() / a.norm()) > 100 * bound  # the experts do part
 
 
+@pytest.mark.e2e
 def test_a_small_study_writes_its_report(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(compare, "MOE_SFT_STEPS", 4)
     out = tmp_path / "cmp"
