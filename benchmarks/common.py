@@ -10,6 +10,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 SIZES = {
     "small": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2,
@@ -26,6 +27,31 @@ IMPLS = ("trl", "posttrain")
 
 def child_env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+
+
+def trl_step_timer():
+    """A ``transformers`` callback that times each optimiser step of a TRL trainer, and the
+    list of seconds it fills."""
+    import time
+
+    from transformers import TrainerCallback
+
+    times: list[float] = []
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            self.t = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            times.append(time.perf_counter() - self.t)
+
+    return StepTimer(), times
+
+
+def posttrain_step_times(out) -> list[float]:
+    """The seconds of each step a posttrain run logged in ``out/metrics.jsonl``."""
+    rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    return [r["time/step_s"] for r in rows if "time/step_s" in r]
 
 
 def spawn(cmd: list[str], env: dict[str, str]) -> tuple[str, str, int, float]:

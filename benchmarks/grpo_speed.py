@@ -33,11 +33,18 @@ import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import SIZES, child_env, comparison_parser, print_comparison, run_comparisons
+from common import (
+    SIZES,
+    child_env,
+    comparison_parser,
+    posttrain_step_times,
+    print_comparison,
+    run_comparisons,
+    trl_step_timer,
+)
 
 PROMPTS, G, NEW, BETA, LR = 8, 8, 32, 0.04, 1e-5
 
@@ -65,13 +72,12 @@ def _run_posttrain(model_dir, steps, setting, out) -> dict:
     cfg = RLConfig(**kw)
     cfg.validate()
     run_rl(cfg)
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    return {"step_s": [r["time/step_s"] for r in rows if "time/step_s" in r]}
+    return {"step_s": posttrain_step_times(out)}
 
 
 def _run_trl(model_dir, steps, setting, out) -> dict:
     import datasets
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     from posttrain.builtin import task
@@ -80,15 +86,7 @@ def _run_trl(model_dir, steps, setting, out) -> dict:
     if setting == "identical_malloc":
         keep_freed_memory()
 
-    times: list[float] = []
-
-    class StepTimer(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
-            self.t = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kw):
-            times.append(time.perf_counter() - self.t)
-
+    timer, times = trl_step_timer()
     ds = datasets.Dataset.from_list(task.rl_rows(PROMPTS * (steps + 2), "train"))
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
@@ -105,7 +103,7 @@ def _run_trl(model_dir, steps, setting, out) -> dict:
     else:
         args = GRPOConfig(**common)
     trainer = GRPOTrainer(model=model, reward_funcs=[task.reward], args=args,
-                          train_dataset=ds, processing_class=tok, callbacks=[StepTimer()])
+                          train_dataset=ds, processing_class=tok, callbacks=[timer])
     trainer.train()
     return {"step_s": times}
 

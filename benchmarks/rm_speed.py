@@ -26,7 +26,15 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import SIZES, child_env, comparison_parser, print_comparison, run_comparisons
+from common import (
+    SIZES,
+    child_env,
+    comparison_parser,
+    posttrain_step_times,
+    print_comparison,
+    run_comparisons,
+    trl_step_timer,
+)
 
 PAIRS, LR = 16, 1e-5
 
@@ -56,24 +64,15 @@ def _run_posttrain(model_dir: Path, data: Path, steps: int, setting: str, out: P
     t0 = time.perf_counter()
     run_rm(cfg)
     total = time.perf_counter() - t0
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    return {"step_s": [r["time/step_s"] for r in rows if "time/step_s" in r], "total_s": total}
+    return {"step_s": posttrain_step_times(out), "total_s": total}
 
 
 def _run_trl(model_dir: Path, data: Path, steps: int, setting: str, out: Path) -> dict:
     import datasets
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
     from trl import RewardConfig, RewardTrainer
 
-    times: list[float] = []
-
-    class StepTimer(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
-            self.t = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kw):
-            times.append(time.perf_counter() - self.t)
-
+    timer, times = trl_step_timer()
     ds = datasets.load_dataset("json", data_files=str(data), split="train")
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1)
@@ -88,7 +87,7 @@ def _run_trl(model_dir: Path, data: Path, steps: int, setting: str, out: Path) -
         args = RewardConfig(**common)
     t0 = time.perf_counter()
     trainer = RewardTrainer(model=model, args=args, train_dataset=ds, processing_class=tok,
-                            callbacks=[StepTimer()])
+                            callbacks=[timer])
     trainer.train()
     return {"step_s": times, "total_s": time.perf_counter() - t0}
 
