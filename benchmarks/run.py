@@ -89,9 +89,9 @@ def _tokens_per_step(bench: str) -> float:
     return 16 * per_pair
 
 
-def flops_per_step(bench: str, size: str) -> float:
+def flops_per_step(bench: str, size: str, tokens: float) -> float:
+    """The model work of a step over ``tokens`` (see the module docstring)."""
     block, head = _params(size)
-    tokens = _tokens_per_step(bench)
     if bench == "grpo":
         return 10 * (block + head) * tokens
     if bench == "dpo":
@@ -133,7 +133,8 @@ def main() -> int:
             ((_, _, trl_res, pt_res),) = run_comparisons(module.__file__, ns, work)
             ratios = sorted(a / b for a, b in zip(trl_res["step_s_runs"],
                                                   pt_res["step_s_runs"], strict=True))
-            flops, tokens = flops_per_step(bench, size), _tokens_per_step(bench)
+            tokens = _tokens_per_step(bench)
+            flops = flops_per_step(bench, size, tokens)
             row = {"bench": bench, "size": size, "trl_step_s": trl_res["step_s"],
                    "posttrain_step_s": pt_res["step_s"],
                    "speedup": trl_res["step_s"] / pt_res["step_s"],

@@ -335,20 +335,14 @@ def _plot(results: dict, path: Path) -> Path | None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     start = results["algos"].get("sft", [{}])[0].get("accuracy")
-    for algo, runs in results["algos"].items():
-        if algo == "sft":
-            continue
-        for i, (ax, x) in enumerate(((axes[0], 0), (axes[1], 1))):
-            pts = [p for r in runs for p in r["curve"]]
-            if not pts:
-                continue
-            for j, r in enumerate(runs):
-                # every run starts at the start's accuracy, at 0 tokens and 0 seconds
-                pts = ([(0, 0.0, start)] if start is not None else []) + r["curve"]
-                xs = [p[x] for p in pts]
-                ys = [p[2] for p in pts]
-                ax.plot(xs, ys, color=f"C{list(results['algos']).index(algo)}",
-                        alpha=0.8, lw=1.2, label=algo if j == 0 and i == 0 else None)
+    # every run starts at the start's accuracy, at 0 tokens and 0 seconds
+    origin = [(0, 0.0, start)] if start is not None else []
+    for colour, (algo, runs) in enumerate(results["algos"].items()):
+        for j, r in enumerate(runs if algo != "sft" else []):
+            pts = origin + [tuple(p) for p in r["curve"]]
+            for x, ax in enumerate(axes):  # x: 0 tokens, 1 seconds
+                ax.plot([p[x] for p in pts], [p[2] for p in pts], color=f"C{colour}",
+                        alpha=0.8, lw=1.2, label=algo if j == 0 and x == 0 else None)
     for ax, label in zip(axes, ("completion tokens", "training seconds"), strict=True):
         if start is not None:
             ax.axhline(start, color="grey", ls="--", lw=1)
