@@ -32,6 +32,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from safetensors.torch import load_file, save_file
 
 from posttrain import dist, fast, sharding
+from posttrain.fast import sparse_rows
 from posttrain.trainers import checkpoint as ckpt
 from posttrain.trainers import rundir
 from posttrain.trainers.guards import NonFiniteError, StopSignals, check_finite_weights, check_step
@@ -60,10 +61,11 @@ def lr_lambda(schedule: str, warmup: int, total: int):
 
 
 def adamw(params, lr: float, weight_decay: float) -> torch.optim.AdamW:
-    """The optimiser of every trainer. The fused kernel (one launch for all parameters) also
-    exists on CPU; it matters for small models, whose step is dominated by per-tensor
-    overhead."""
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
+    """The optimiser of every trainer: torch's AdamW, which here also steps an embedding's
+    sparse row gradients (:mod:`posttrain.fast.sparse_rows`; dense gradients take torch's
+    own step). The fused kernel (one launch for all parameters) also exists on CPU; it
+    matters for small models, whose step is dominated by per-tensor overhead."""
+    return sparse_rows.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
 
 
 class Optim:
@@ -71,7 +73,8 @@ class Optim:
     sets the scheduled rate before each step) and the run's gradient clipping."""
 
     def __init__(self, name: str, model: torch.nn.Module, lr: float, weight_decay: float,
-                 max_grad_norm: float, on_nonfinite: str = "raise"):
+                 max_grad_norm: float, on_nonfinite: str = "raise",
+                 sparse_embedding: bool = False):
         self.name, self.peak_lr, self.max_grad_norm = name, lr, max_grad_norm
         self.on_nonfinite = on_nonfinite
         self.skipped = 0
@@ -80,6 +83,10 @@ class Optim:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.opt = adamw(self.params, lr, weight_decay)
         self.sharded = sharding.is_sharded(model)
+        # one process: the input embedding's gradient by rows (several ranks sum dense ones)
+        self.rows = (sparse_rows.sparse_embedding_gradients(model)
+                     if sparse_embedding and not self.sharded and dist.world_size() == 1
+                     else None)
         """FSDP: the gradients arrive reduce-scattered (summed) in the backward."""
         # several ranks: the gradients live in one buffer, summed in one collective
         self.flat = None if self.sharded else dist.flat_gradients(self.params)
@@ -119,7 +126,9 @@ class Optim:
         """Clip (when max_grad_norm > 0), step, zero the gradients; the gradient norm before
         clipping. A norm that is not finite raises :class:`NonFiniteError`, or with
         ``on_nonfinite="skip"`` leaves the step out (counted in ``skipped``)."""
-        if self.max_grad_norm > 0:
+        if self.rows is not None and self.rows.grad is not None:
+            norm = self._clip_with_rows()
+        elif self.max_grad_norm > 0:
             norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
         else:  # the norm only (torch < 2.6 has no get_total_norm: clip at infinity)
             total = getattr(torch.nn.utils, "get_total_norm", None)
@@ -136,6 +145,21 @@ class Optim:
             return norm
         self.opt.step()
         self.opt.zero_grad(set_to_none=self.flat is None)
+        return norm
+
+    def _clip_with_rows(self) -> torch.Tensor:
+        """``clip_grad_norm_`` when the embedding's gradient is sparse: the norm counts each
+        row once (duplicates summed first), and clipping scales the stored rows."""
+        self.rows.grad = self.rows.grad.coalesce()
+        grads = [p.grad.values() if p.grad.is_sparse else p.grad
+                 for p in self.params if p.grad is not None]
+        wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+        norm = torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g.to(wide)) for g in grads]))
+        if self.max_grad_norm > 0 and math.isfinite(norm):
+            coef = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
+            for g in grads:
+                g.mul_(coef.to(g.dtype))
         return norm
 
 

@@ -111,7 +111,7 @@ class OfflineJob(Job):
             raise ConfigError(f"batch_size {cfg.batch_size} is global: it must be a multiple of "
                               f"the {dist.world_size()} ranks")
         self.optimizers = [Optim("model", model, cfg.lr, cfg.weight_decay, cfg.max_grad_norm,
-                                 cfg.on_nonfinite)]
+                                 cfg.on_nonfinite, cfg.fast and cfg.sparse_embedding_grad)]
 
     # --- what a subclass provides ------------------------------------------------------------
     def collate(self, examples: list) -> dict:

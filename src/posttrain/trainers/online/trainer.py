@@ -117,13 +117,14 @@ class RLTrainer(Job):
         self.policy = trained.shard_trained(cfg, self.policy)
         if self.critic is not None:
             self.critic = trained.shard_trained(cfg, self.critic)
+        rows = cfg.fast and cfg.sparse_embedding_grad
         self.optimizers = [Optim("policy", self.policy, cfg.lr, cfg.weight_decay,
-                                 cfg.max_grad_norm, cfg.on_nonfinite)]
+                                 cfg.max_grad_norm, cfg.on_nonfinite, rows)]
         track_policy_version(self.policy, self.optimizers[0].opt)
         if self.critic is not None:
             self.optimizers.append(Optim("critic", self.critic, cfg.critic_lr,
                                          cfg.weight_decay, cfg.max_grad_norm,
-                                         cfg.on_nonfinite))
+                                         cfg.on_nonfinite, rows))
         self.step_num = 0
         # replay of the sampler's projections: the shared-prompt two-call layout, an engine
         # that captures, a policy it can replay, no compile, not sharded
