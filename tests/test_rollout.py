@@ -369,6 +369,37 @@ def test_sampler_matches_the_distribution():
         assert torch.allclose(logp, probs.log()[tokens], atol=1e-5)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_blocked_sampler_is_the_inverse_cdf_over_a_large_vocabulary(temperature):
+    """Over a vocabulary of two CDF blocks and a ragged tail, each draw is the token a float64
+    inverse CDF picks for the same uniform number, except where that number lies within float32
+    rounding of the boundary between the two tokens; log-probs are log-softmax's."""
+    from posttrain.rollout import SamplingParams
+    from posttrain.rollout.engine import CDF_BLOCK
+    from posttrain.rollout.engine import sample_tokens as _sample
+
+    V, R = 2 * CDF_BLOCK + 777, 4000
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(R, V, generator=g) * 3
+    logits[:, 5] += 8  # rows with most of their mass in block 0 ...
+    logits[: R // 2, V - 3] += 12  # ... or in the tail
+    u = torch.rand(R, generator=g)
+    tokens, logp = _sample(logits, SamplingParams(temperature=temperature), None, u)
+    x = logits.double() / temperature
+    cdf = x.softmax(-1).cumsum(-1)
+    ref = torch.searchsorted(cdf, u.double()[:, None] * cdf[:, -1:]).squeeze(-1)
+    assert tokens.max() < V and tokens.min() >= 0
+    # float32: exp and the division each round once (2u), a block sum of CDF_BLOCK terms and
+    # the running sum over blocks add at most (CDF_BLOCK + V / CDF_BLOCK)·u of the total
+    tol = (CDF_BLOCK + V // CDF_BLOCK + 8) * 2.0 ** -24
+    off = (tokens != ref).nonzero().squeeze(-1)
+    boundary = cdf[off, torch.minimum(tokens, ref)[off]]
+    assert ((boundary - u.double()[off]).abs() <= tol).all()
+    assert len(off) <= R // 100  # boundaries are rare, not the rule
+    want = x.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
+    torch.testing.assert_close(logp.double(), want, rtol=0, atol=1e-5)
+
+
 def _assert_lean_equals_hf(model, tok):
     """Greedy and sampled (same seed): identical tokens and masks, log-probs to 1e-5."""
     from posttrain.fast.lean import LeanLlamaDecoder

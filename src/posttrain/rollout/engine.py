@@ -54,6 +54,10 @@ class RolloutEngine:
         pass
 
 
+CDF_BLOCK = 2048
+"""Vocabulary entries per block of the two-level inverse CDF (:func:`_inverse_cdf`)."""
+
+
 def sample_tokens(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None,
                   u: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row from ``logits`` (R, V); return (tokens, log-probs). ``u``
@@ -62,6 +66,12 @@ def sample_tokens(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator 
     if p.temperature == 0:
         tokens = logits.argmax(-1)
         return tokens, torch.zeros_like(tokens, dtype=torch.float32)
+    if u is None:  # drawn on the generator's device (a CPU generator drives a CUDA policy too)
+        u = torch.rand(len(logits), generator=gen,
+                       device=gen.device if gen is not None else logits.device)
+    u = u.to(logits.device, torch.float32)
+    if not (p.top_k and p.top_k < logits.shape[-1]) and p.top_p >= 1.0:
+        return _inverse_cdf(logits, p.temperature, u)
     logits = logits / p.temperature
     if p.top_k and p.top_k < logits.shape[-1]:
         kth = torch.topk(logits, p.top_k, dim=-1).values[:, -1:]
@@ -73,16 +83,47 @@ def sample_tokens(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator 
         drop = probs.cumsum(-1) - probs >= p.top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    logp = logits.log_softmax(-1)
-    # Inverse-CDF sampling: one uniform number per row (torch.multinomial, or a Gumbel /
-    # exponential race, draw one per vocabulary entry, which dominates a small model's step).
-    cdf = logp.exp().cumsum(-1)
-    if u is None:  # drawn on the generator's device (a CPU generator drives a CUDA policy too)
-        u = torch.rand(len(cdf), generator=gen,
-                       device=gen.device if gen is not None else cdf.device)
-    u = u.to(cdf.device, torch.float32)[:, None] * cdf[:, -1:]
-    tokens = torch.searchsorted(cdf, u).squeeze(-1).clamp_max(cdf.shape[-1] - 1)
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+    return _inverse_cdf(logits, 1.0, u)
+
+
+def _inverse_cdf(logits: torch.Tensor, temperature: float, u: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse-CDF sampling from ``softmax(logits / temperature)`` (R, V) with one uniform
+    number per row (torch.multinomial, or a Gumbel / exponential race, draw one per
+    vocabulary entry, which dominates a small model's step); the tokens and their log-probs.
+
+    The token is the first ``v`` whose cumulative mass reaches ``u`` times the total, found
+    in two levels: the per-block sums of ``exp(z − max)`` pick the block, a cumulative sum
+    inside that one block picks the token. So one (R, V) tensor is written, not the four of
+    log-softmax, its exponential and a full cumulative sum: at a 151,936-token vocabulary
+    and 64 rows that took a decode step's sampling from 47 to 16 ms on 2 CPU cores."""
+    R, V = logits.shape
+    top = logits.amax(-1, keepdim=True)  # (R, 1); -inf only for a row with no finite logit
+    e = torch.sub(logits, top)
+    if temperature != 1.0:
+        e.div_(temperature)
+    e.exp_()  # (R, V) unnormalised probabilities, in (0, 1]
+    n_full = V // CDF_BLOCK
+    sums = [e[:, :n_full * CDF_BLOCK].view(R, n_full, CDF_BLOCK).sum(-1)] if n_full else []
+    if V % CDF_BLOCK:
+        sums.append(e[:, n_full * CDF_BLOCK:].sum(-1, keepdim=True))
+    cum = torch.cat(sums, -1).cumsum(-1)  # (R, blocks)
+    total = cum[:, -1:]
+    target = u[:, None] * total  # (R, 1)
+    block = torch.searchsorted(cum, target).clamp_max(cum.shape[1] - 1)  # (R, 1)
+    before = torch.where(block > 0, cum.gather(-1, (block - 1).clamp_min(0)), 0.0)
+    cols = block * CDF_BLOCK + torch.arange(CDF_BLOCK, device=e.device)  # (R, CDF_BLOCK)
+    inside = cols < V
+    within = e.gather(-1, cols.clamp_max(V - 1)).masked_fill_(~inside, 0.0).cumsum_(-1)
+    # rounding may leave the block's own running sum a hair short of ``target``: take its
+    # last token then
+    last = inside.sum(-1, keepdim=True) - 1
+    j = torch.searchsorted(within.add_(before), target).clamp_max_(last)
+    tokens = (block * CDF_BLOCK + j).squeeze(-1)
+    logp = ((logits.gather(-1, tokens[:, None]) - top) / temperature
+            - total.log()).squeeze(-1)
+    return tokens, logp
+
 
 def sampling_uniforms(seed: int, step: int, round_: int, rows: int, columns: int
                       ) -> torch.Tensor:
