@@ -46,8 +46,12 @@ def _grads(model, tokens, rows, weights, replay):
     return lp.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["head", "fused-head"])
 @pytest.mark.parametrize("arch", ["builtin_tiny", "qwen2_gqa_bias"])
-def test_replayed_logprobs_and_gradients_equal_recomputed(tiny_model_dir, arch, monkeypatch):
+def test_replayed_logprobs_and_gradients_equal_recomputed(tiny_model_dir, arch, fused,
+                                                          monkeypatch):
+    """Also with the fused head (as at a large vocabulary), which then takes the sampler's
+    log-sum-exp and entropy instead of its own forward matmul."""
     model, tok = _model(tiny_model_dir, arch)
     assert can_replay(model)
     # the sampler's buffers start as NaN: entries no step writes must come out as zeros
@@ -56,9 +60,27 @@ def test_replayed_logprobs_and_gradients_equal_recomputed(tiny_model_dir, arch, 
                         lambda self, *a, **kw: new_empty(self, *a, **kw).fill_(float("nan")))
     r = generate(model, tok, PROMPTS, n=8, params=SamplingParams(temperature=1.0,
                                                                  max_new_tokens=12),
-                 generator=torch.Generator().manual_seed(0), engine="lean", capture=True)
+                 generator=torch.Generator().manual_seed(0), engine="lean", capture=True,
+                 head_stats=True)
     monkeypatch.undo()
+    if fused:
+        from posttrain.models import logprobs as model_logprobs
+
+        monkeypatch.setattr(model_logprobs, "FUSED_HEAD_MIN_ELEMENTS", 0)
     assert len(set(r.lengths.tolist())) >= 4 and r.activations is not None
+    # the sampler's log-sum-exp and entropy are those of the model's own logits
+    lse, ent = r.head.stats
+    with torch.no_grad():
+        ids = [torch.tensor(p + c[:n].tolist()) for p, c, n in
+               zip(r.prompt_ids, r.completion_ids, r.lengths.tolist(), strict=True)]
+        for i in (0, 5, 17):
+            lp = len(r.prompt_ids[i])
+            logits = model(input_ids=ids[i][None]).logits[0, lp - 1:-1]  # (n, V)
+            n = len(logits)
+            torch.testing.assert_close(lse[i, :n], logits.logsumexp(-1), rtol=0, atol=1e-4)
+            want = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+            torch.testing.assert_close(ent[i, :n], want, rtol=0, atol=1e-4)
+            assert (lse[i, n:] == 0).all() and (ent[i, n:] == 0).all()
     # a sample's last token and its padding were never fed: zero there (the values written
     # elsewhere are checked below, through the log-probs and gradients they give)
     unfed = torch.arange(r.completion_ids.shape[1])[None] >= r.lengths[:, None] - 1
@@ -213,16 +235,28 @@ def _rl_trainer(tiny_model_dir, out, reward, data, reuse, fn="by_len", **kw):
     # LoRA: the lean decoder samples the adapted policy, the reference is the adapter off
     dict(algo="grpo", kl_coef=0.04, minibatch_size=8, micro_batch_size=4, lora_rank=4),
 ])
-def test_trainer_step_same_with_and_without_reuse(tiny_model_dir, tmp_path, kw, monkeypatch):
+@pytest.mark.parametrize("layout", ["two-call", "fused-head", "fused-head-packed"])
+def test_trainer_step_same_with_and_without_reuse(tiny_model_dir, tmp_path, kw, layout,
+                                                  monkeypatch):
     """A whole step (sampling, old log-probs, several minibatches and epochs at a large
     learning rate, dynamic sampling's select and concat) moves the policy the same way with
     the sampler's outputs reused as without; after the first optimizer step the policy has
-    moved, and outputs used past it would show as a different update."""
+    moved, and outputs used past it would show as a different update. With the fused head
+    (as at a large vocabulary) the sampler's head statistics stand in for its forward, in
+    the two-call layout and in a packed one (which replays no projection)."""
     from posttrain.fast.replay import DecodeActivations
+    from posttrain.models import logprobs as model_logprobs
     from posttrain.trainers.online import batch
 
     # rows this short would be packed into one call, which replays nothing: take two calls
-    monkeypatch.setattr(batch, "packing_pays", lambda *a, **k: False)
+    packed = layout.endswith("packed")
+    monkeypatch.setattr(batch, "packing_pays", lambda *a, **k: packed)
+    sampled = []
+    if layout.startswith("fused"):
+        monkeypatch.setattr(model_logprobs, "FUSED_HEAD_MIN_ELEMENTS", 0)
+        fused = model_logprobs.head_token_logprobs
+        monkeypatch.setattr(model_logprobs, "head_token_logprobs", lambda *a, **k: (
+            sampled.append(k.get("sampled") is not None) or fused(*a, **k)))
     replays = []
     replay_map = DecodeActivations.replay_map
     monkeypatch.setattr(DecodeActivations, "replay_map",
@@ -241,8 +275,9 @@ def test_trainer_step_same_with_and_without_reuse(tiny_model_dir, tmp_path, kw, 
         assert record["sampling/rounds"] > 1 or kw["algo"] != "dapo"
         moved.append(torch.cat([(p.detach() - b).flatten()
                                 for p, b in zip(trainer.policy.parameters(), before, strict=True)]))
-        assert (len(replays) > 0) is reuse
-        replays.clear()
+        assert (len(replays) > 0) is (reuse and not packed)
+        assert any(sampled) is (reuse and layout.startswith("fused"))
+        replays.clear(), sampled.clear()
     assert moved[1].abs().max() > 1e-2
     torch.testing.assert_close(moved[0], moved[1], rtol=0, atol=1e-5 * moved[1].abs().max())
 

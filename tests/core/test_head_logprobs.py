@@ -72,6 +72,42 @@ def test_values_and_gradients_match_the_float64_formula(transform, chunk_rows, s
         assert float((got.double() - want).abs().max()) <= bound * max(scale, 1.0), got.shape
 
 
+@pytest.mark.parametrize("transform", TRANSFORMS)
+@pytest.mark.parametrize("spread", [1.0, 30.0])
+@pytest.mark.parametrize("off", [0.0, 0.05])
+def test_with_the_samplers_statistics_the_values_shift_by_their_error_and_no_gradient_does(
+        transform, spread, off):
+    """``sampled``: the forward takes the known log-sum-exp (and entropy) instead of its own
+    matmul, so a log-sum-exp off by ``off`` moves the log-probs by exactly that; the backward
+    normalises the recomputed softmax itself, so the gradients stay the float64 formula's."""
+    h, w, b, labels = _inputs(spread=spread)
+    h.requires_grad_(True), w.requires_grad_(True), b.requires_grad_(True)
+    targs = (transform.get("scale", 1.0), transform.get("divide", 1.0),
+             transform.get("softcap", 0.0), transform.get("temperature", 1.0))
+    ref_args = [x.detach().double().requires_grad_(True) for x in (h, w, b)]
+    ref_lp, ref_ent = _reference(*ref_args, labels, *targs)
+    # the sampler's log-sum-exp: log p(y) = z_y - lse
+    with torch.no_grad():
+        logits = ref_args[0] @ ref_args[1].T + ref_args[2]
+        logits = logits * targs[0] / targs[1]
+        if targs[2]:
+            logits = targs[2] * torch.tanh(logits / targs[2])
+        lse = torch.logsumexp(logits / targs[3], -1)
+    sampled = torch.stack([lse + off, ref_ent.detach()]).float()
+    lp, ent = head_token_logprobs(h, w, labels, b, with_entropy=True, sampled=sampled,
+                                  **transform)
+    upstream = torch.randn(lp.shape, generator=torch.Generator().manual_seed(1))
+    (lp * upstream).sum().backward()
+    (ref_lp * upstream.double()).sum().backward()
+    logit_size = float(ref_lp.detach().abs().max()) + spread * 10 + 1
+    bound = 8 * (math.sqrt(16) + math.sqrt(37)) * U * logit_size
+    assert (lp.double() - (ref_lp.detach() - off)).abs().max() <= bound
+    assert torch.equal(ent, sampled[1])
+    for got, ref in zip((h.grad, w.grad, b.grad), ref_args, strict=True):
+        scale = float(ref.grad.abs().max()) + 1e-30
+        assert float((got.double() - ref.grad).abs().max()) <= bound * max(scale, 1.0)
+
+
 def test_it_equals_the_unfused_path_without_bias_and_with_a_frozen_head():
     """No bias, a weight without gradient (a LoRA run's frozen head): only ∂/∂h flows."""
     from posttrain.core import token_logprobs

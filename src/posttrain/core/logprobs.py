@@ -175,9 +175,20 @@ class _HeadLogprobs(torch.autograd.Function):
     each time, and on the CPU one this large is a fresh mapping, page-faulted anew."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, transform, rows, with_entropy):
+    def forward(ctx, hidden, weight, bias, labels, transform, rows, with_entropy, sampled):
         N, V = hidden.shape[0], weight.shape[0]
         dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        ctx.transform, ctx.rows, ctx.renormalise = transform, rows, sampled is not None
+        if sampled is not None:  # the sampled token's logit only, against the known lse
+            lse = sampled[0].to(dtype)
+            picked = (hidden.to(dtype) * weight[labels].to(dtype)).sum(-1)  # (N,)
+            if bias is not None:
+                picked = picked + bias[labels].to(dtype)
+            out = _transformed(picked, transform) - lse
+            ent = sampled[1].to(dtype) if with_entropy else out.new_empty(0)
+            ctx.save_for_backward(hidden, weight, bias, labels, lse)
+            ctx.mark_non_differentiable(ent)
+            return out, ent
         out = torch.empty(N, dtype=dtype, device=hidden.device)
         lse = torch.empty(N, dtype=dtype, device=hidden.device)
         ent = torch.empty(N if with_entropy else 0, dtype=dtype, device=hidden.device)
@@ -199,7 +210,6 @@ class _HeadLogprobs(torch.autograd.Function):
             lse[s:s + rows] = top + log_total
             out[s:s + rows] = picked - log_total
         ctx.save_for_backward(hidden, weight, bias, labels, lse)
-        ctx.transform, ctx.rows = transform, rows
         ctx.mark_non_differentiable(ent)
         return out, ent
 
@@ -222,7 +232,10 @@ class _HeadLogprobs(torch.autograd.Function):
             g = grad_out[s:s + ctx.rows, None].to(lse.dtype)
             # z·T = softcap · tanh(u): ∂/∂u = 1 − tanh²(u), taken before z becomes p
             cap = (z * (temperature / softcap)).square_().neg_().add_(1) if softcap else None
-            d = z.sub_(lse[s:s + ctx.rows, None]).exp_().mul_(-g)  # −p · g, in place
+            d = z.sub_(lse[s:s + ctx.rows, None]).exp_()
+            if ctx.renormalise:  # p of these very logits, whatever the sampler rounded
+                d.div_(d.sum(-1, keepdim=True))
+            d.mul_(-g)  # −p · g, in place
             d.scatter_add_(-1, labels[s:s + ctx.rows, None], g)  # + 1[v = y] · g
             if temperature != 1.0:
                 d.div_(temperature)
@@ -237,7 +250,22 @@ class _HeadLogprobs(torch.autograd.Function):
             if grad_b is not None:
                 grad_b.add_(d.sum(0))
         return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
-                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None)
+                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None)
+
+
+def _transformed(z: torch.Tensor, transform) -> torch.Tensor:
+    """``z`` through the head's transform: the operations of :func:`_chunk_logits`, out of
+    place."""
+    scale, divide, softcap, temperature = transform
+    if scale != 1.0:
+        z = z * scale
+    if divide != 1.0:
+        z = z / divide
+    if softcap:
+        z = torch.tanh(z / softcap) * softcap
+    if temperature != 1.0:
+        z = z / temperature
+    return z
 
 
 def _chunk_logits(h, weight, bias, transform, buf: torch.Tensor) -> torch.Tensor:
@@ -265,12 +293,20 @@ def _chunk_logits(h, weight, bias, transform, buf: torch.Tensor) -> torch.Tensor
 def head_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                         bias: torch.Tensor | None = None, scale: float = 1.0,
                         divide: float = 1.0, softcap: float = 0.0, temperature: float = 1.0,
-                        with_entropy: bool = False, chunk_rows: int | None = None):
+                        with_entropy: bool = False, chunk_rows: int | None = None,
+                        sampled: torch.Tensor | None = None):
     """Per-token log-probs ``(N,)`` of ``labels`` under the head ``weight`` ``(V, H)``
     (and ``bias``) applied to ``hidden`` ``(N, H)`` with :func:`head_logit_transform`,
     computed a chunk of rows at a time in the forward and the backward, so no ``(N, V)``
     tensor is ever held (see :class:`_HeadLogprobs`). With ``with_entropy`` also the
     entropy ``(N,)``, without gradient.
+
+    ``sampled`` ``(2, N)``: each row's log-sum-exp and entropy of these logits, known
+    already (the sampler computed them while drawing ``labels`` from the same policy): the
+    forward then takes only the chosen logit, ``h·W[y]``, and returns the known entropy, so
+    the head costs three matmuls over the vocabulary instead of four. The backward, which
+    recomputes the logits anyway, normalises their softmax itself, so the gradient is
+    log-softmax's at these logits, not at the sampler's rounding of them.
 
     Naive equivalent: ``token_logprobs(head_logit_transform(hidden @ weight.T + bias, ...),
     labels)``."""
@@ -278,5 +314,5 @@ def head_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
     rows = chunk_rows or max(1, HEAD_CHUNK_ELEMENTS.get(hidden.device.type, 1 << 25) // V)
     out, ent = _HeadLogprobs.apply(hidden, weight, bias, labels,
                                    (float(scale), float(divide), float(softcap or 0.0),
-                                    float(temperature)), rows, with_entropy)
+                                    float(temperature)), rows, with_entropy, sampled)
     return (out, ent) if with_entropy else out

@@ -270,9 +270,7 @@ class DecodeActivations:
         whole batch, say), else a copy."""
         r = rows.tolist()
         if r and r == list(range(r[0], r[0] + len(r))):
-            sl = slice(r[0], r[0] + len(r))
-            return DecodeActivations([{k: v[sl] for k, v in d.items()} for d in self.layers],
-                                     self.version)
+            rows = slice(r[0], r[0] + len(r))
         return DecodeActivations([{k: v[rows] for k, v in d.items()} for d in self.layers],
                                  self.version)
 

@@ -62,19 +62,25 @@ def _fusable_head(model: PreTrainedModel, rows: int):
 
 
 def head_logprobs(model: PreTrainedModel, hidden: torch.Tensor, labels: torch.Tensor,
-                  target: torch.Tensor, with_entropy: bool, temperature: float = 1.0):
+                  target: torch.Tensor, with_entropy: bool, temperature: float = 1.0,
+                  sampled: torch.Tensor | None = None):
     """Log-probs of ``labels`` ``(N,)`` from last hidden states ``(N, H)``, scattered to the
     positions ``target`` marks (and the entropy, without gradient). With a plain linear
     head and large logits, the head runs inside the log-prob computation a chunk of rows at
     a time, forward and backward (:func:`posttrain.core.logprobs.head_token_logprobs`): no
-    ``(N, V)`` logits are ever held. Otherwise the head's logits are formed and reduced."""
+    ``(N, V)`` logits are ever held. Otherwise the head's logits are formed and reduced.
+    ``sampled`` ``(2, N)``: the log-sum-exp and entropy of the distributions the policy, as
+    it is now, sampled ``labels`` from; the fused head then skips its forward matmul (float32
+    heads only: there the sampler's figures are the head's own to rounding)."""
     head = _fusable_head(model, hidden.shape[0])
     if head is None:
         return scatter_logprobs(tempered(head_logits(model, hidden), temperature), labels,
                                 target, with_entropy)
+    if head.weight.dtype != torch.float32 or hidden.dtype != torch.float32:
+        sampled = None
     res = head_token_logprobs(hidden, head.weight, labels, head.bias,
                               temperature=temperature, with_entropy=with_entropy,
-                              **logit_transform(model.config))
+                              sampled=sampled, **logit_transform(model.config))
     return _placed(*(res if with_entropy else (res,)), target=target)
 
 

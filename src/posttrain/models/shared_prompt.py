@@ -36,7 +36,7 @@ def shared_prompt_logprobs(model: PreTrainedModel, prompt_ids: torch.Tensor,
                            prompt_index: torch.Tensor | None = None,
                            with_entropy: bool = False, packed: bool | None = None,
                            replay: contextlib.AbstractContextManager | None = None,
-                           temperature: float = 1.0):
+                           temperature: float = 1.0, sampled: torch.Tensor | None = None):
     """Log-probabilities of ``k`` completions per prompt with the prompt run once.
 
     ``prompt_ids``/``prompt_mask`` are ``(B, Lp)``, *left*-padded; ``completion_ids``/
@@ -63,14 +63,18 @@ def shared_prompt_logprobs(model: PreTrainedModel, prompt_ids: torch.Tensor,
 
     ``replay``: a context the completion call runs in, which then takes the two-call path
     (``posttrain.fast.replay``: the sampler's projection outputs stand in for its matmuls).
+    ``sampled`` ``(2, k·B, Lc)``: with it, the sampler's log-sum-exp and entropy at each
+    completion token (``DecodeActivations.head``) stand in for the head's own forward.
     """
     if not has_plain_head(model):
         raise ValueError("shared_prompt_logprobs needs a model with output embeddings")
     hidden = shared_prompt_hidden(model, prompt_ids, prompt_mask, completion_ids,
                                   completion_mask, prompt_index, packed, replay)
     target = completion_mask.bool()
+    if sampled is not None:  # (2, k·B, Lc) → (2, N) at the completion tokens
+        sampled = sampled[:, target]
     return head_logprobs(model, hidden, completion_ids[target], target, with_entropy,
-                         temperature)
+                         temperature, sampled)
 
 def shared_prompt_hidden(model: PreTrainedModel, prompt_ids: torch.Tensor,
                          prompt_mask: torch.Tensor, completion_ids: torch.Tensor,

@@ -32,7 +32,7 @@ from transformers import DynamicCache
 
 from posttrain.data import pad_left
 from posttrain.models import cache_kwarg
-from posttrain.rollout.types import Rollout, SamplingParams, cut_at_stop
+from posttrain.rollout.types import Rollout, SampledHead, SamplingParams, cut_at_stop
 
 
 class RolloutEngine:
@@ -44,7 +44,7 @@ class RolloutEngine:
 
     def generate(self, prompts: list[str], n: int = 1, params: SamplingParams | None = None,
                  generator: torch.Generator | None = None, capture: bool = False,
-                 uniforms: torch.Tensor | None = None) -> Rollout:
+                 uniforms: torch.Tensor | None = None, head_stats: bool = False) -> Rollout:
         raise NotImplementedError
 
     def update_weights(self, policy) -> None:
@@ -59,19 +59,22 @@ CDF_BLOCK = 2048
 
 
 def sample_tokens(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None,
-                  u: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  u: torch.Tensor | None = None, stats: bool = False):
     """Sample one token per row from ``logits`` (R, V); return (tokens, log-probs). ``u``
-    (R,): each row's uniform number in [0, 1); drawn from ``gen`` when None."""
+    (R,): each row's uniform number in [0, 1); drawn from ``gen`` when None. ``stats``: also
+    the log-sum-exp and entropy (R,) of the tempered distribution, for plain sampling (no
+    top-k / top-p; else None): (tokens, log-probs, stats)."""
     logits = logits.float()
     if p.temperature == 0:
         tokens = logits.argmax(-1)
-        return tokens, torch.zeros_like(tokens, dtype=torch.float32)
+        out = tokens, torch.zeros_like(tokens, dtype=torch.float32)
+        return (*out, None) if stats else out
     if u is None:  # drawn on the generator's device (a CPU generator drives a CUDA policy too)
         u = torch.rand(len(logits), generator=gen,
                        device=gen.device if gen is not None else logits.device)
     u = u.to(logits.device, torch.float32)
     if not (p.top_k and p.top_k < logits.shape[-1]) and p.top_p >= 1.0:
-        return _inverse_cdf(logits, p.temperature, u)
+        return _inverse_cdf(logits, p.temperature, u, stats)
     logits = logits / p.temperature
     if p.top_k and p.top_k < logits.shape[-1]:
         kth = torch.topk(logits, p.top_k, dim=-1).values[:, -1:]
@@ -83,11 +86,12 @@ def sample_tokens(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator 
         drop = probs.cumsum(-1) - probs >= p.top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    return _inverse_cdf(logits, 1.0, u)
+    out = _inverse_cdf(logits, 1.0, u)
+    return (*out, None) if stats else out
 
 
-def _inverse_cdf(logits: torch.Tensor, temperature: float, u: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def _inverse_cdf(logits: torch.Tensor, temperature: float, u: torch.Tensor,
+                 stats: bool = False):
     """Inverse-CDF sampling from ``softmax(logits / temperature)`` (R, V) with one uniform
     number per row (torch.multinomial, or a Gumbel / exponential race, draw one per
     vocabulary entry, which dominates a small model's step); the tokens and their log-probs.
@@ -122,7 +126,24 @@ def _inverse_cdf(logits: torch.Tensor, temperature: float, u: torch.Tensor
     tokens = (block * CDF_BLOCK + j).squeeze(-1)
     logp = ((logits.gather(-1, tokens[:, None]) - top) / temperature
             - total.log()).squeeze(-1)
-    return tokens, logp
+    if not stats:
+        return tokens, logp
+    # log Σ exp(z/T) and H = log Σe − Σ e·(z − max)/T / Σe, the dot product as a batched
+    # matmul (no (R, V) temporary)
+    ez = torch.bmm(e[:, None, :], logits[:, :, None]).view(R, 1)
+    lse = top / temperature + total.log()
+    ent = total.log() - (ez - top * total) / (temperature * total)
+    return tokens, logp, (lse.squeeze(-1), ent.squeeze(-1))
+
+
+def _sampled_head(model, stats: torch.Tensor, end: torch.Tensor) -> SampledHead | None:
+    """``stats`` ``(2, N, Tc)`` zeroed past each sample's ``end`` and stamped with the
+    sampling model's version; None if any is not finite (a logit of -inf, say)."""
+    from posttrain.fast.replay import policy_version
+
+    cols = torch.arange(stats.shape[-1], device=stats.device)
+    stats = stats.masked_fill(cols[None, None, :] > end[None, :, None], 0.0).cpu()
+    return SampledHead(stats, policy_version(model)) if bool(torch.isfinite(stats).all()) else None
 
 
 def sampling_uniforms(seed: int, step: int, round_: int, rows: int, columns: int
@@ -171,13 +192,15 @@ class DecodingEngine(RolloutEngine):
     @torch.no_grad()
     def generate(self, prompts: list[str], n: int = 1, params: SamplingParams | None = None,
                  generator: torch.Generator | None = None, capture: bool = False,
-                 uniforms: torch.Tensor | None = None) -> Rollout:
+                 uniforms: torch.Tensor | None = None, head_stats: bool = False) -> Rollout:
         """Sample ``n`` completions for each prompt (see the module docstring). ``capture``:
         keep the projections' outputs in ``Rollout.activations`` (engines that can only).
         ``uniforms`` ``(P·n, max_new_tokens)``: the number in [0, 1) that picks sample
         ``i``'s token ``t`` (instead of ``generator``), so each sample's draws are its own
         whatever else is in the batch (the trainers derive them from seed, step and prompt
-        slot: :func:`sampling_uniforms`)."""
+        slot: :func:`sampling_uniforms`). ``head_stats``: with plain sampling (temperature
+        > 0, no top-k / top-p), keep each distribution's log-sum-exp and entropy in
+        ``Rollout.head``."""
         model, tokenizer = self.model, self.tokenizer
         params = params or SamplingParams()
         params.validate()
@@ -206,6 +229,9 @@ class DecodingEngine(RolloutEngine):
 
         tokens = torch.full((N, T), pad_id, dtype=torch.long, device=device)
         logps = torch.zeros(N, T, device=device)
+        # what the update's head can take of each sampling distribution (SampledHead)
+        head = (torch.zeros(2, N, T, device=device) if head_stats and params.top_k == 0
+                and params.top_p >= 1.0 and params.temperature > 0 else None)
         done = torch.zeros(N, dtype=torch.bool, device=device)
         end = torch.full((N,), T - 1, dtype=torch.long, device=device)  # last step of each row
         active = None  # rows still in the cache, in cache order; None while that is all of them
@@ -215,11 +241,18 @@ class DecodingEngine(RolloutEngine):
             u = None
             if uniforms is not None:
                 u = uniforms[:, t] if active is None else uniforms[active, t]
-            tok, lp = sample_tokens(logits, params, generator, u)
+            if head is None:
+                (tok, lp), st = sample_tokens(logits, params, generator, u), None
+            else:
+                tok, lp, st = sample_tokens(logits, params, generator, u, stats=True)
             if active is None:
                 tokens[:, t], logps[:, t] = tok, lp
             else:
                 tokens[active, t], logps[active, t] = tok, lp
+            if st is None:
+                head = None
+            else:
+                head[:, slice(None) if active is None else active, t] = torch.stack(st)
             steps = t + 1
             finished = tok == eos_id
             if stop:
@@ -243,9 +276,13 @@ class DecodingEngine(RolloutEngine):
             logits = decoder.step(tok)
         model.train(was_training)
         activations = decoder.activations(steps, end.clamp_max(steps - 1))
+        if head is not None:
+            head = _sampled_head(model, head[:, :, :steps], end.clamp_max(steps - 1))
 
-        return self._finish(prompt_ids, n, tokens[:, :steps], logps[:, :steps], done, end,
-                            params.stop, activations)
+        rollout = self._finish(prompt_ids, n, tokens[:, :steps], logps[:, :steps], done, end,
+                               params.stop, activations)
+        rollout.head = head
+        return rollout
 
     def _finish(self, prompt_ids: list[list[int]], n: int, tokens: torch.Tensor,
                 logps: torch.Tensor, done: torch.Tensor, end: torch.Tensor,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from posttrain import data as data_mod
+from posttrain.fast.replay import StaleActivations, policy_version
 from posttrain.models import (
     completion_hidden,
     completion_logprobs,
@@ -20,6 +21,18 @@ from posttrain.models import (
     value_head,
 )
 from posttrain.rollout import Rollout
+from posttrain.rollout.types import SampledHead
+
+
+def _sampled_for(head: SampledHead, model, rows: torch.Tensor) -> torch.Tensor:
+    """The sampler's statistics of ``rows`` ``(2, len(rows), Lc)`` for ``model``, which must
+    be the policy as it sampled them."""
+    now = policy_version(model)
+    if now != head.version:
+        raise StaleActivations(f"sampler head statistics of policy version {head.version} "
+                               f"offered to version {now}: the policy changed since "
+                               "sampling, so they must be recomputed")
+    return head.stats[:, rows]
 
 
 class TokenBatch:
@@ -42,6 +55,11 @@ class TokenBatch:
         self.share = share_prompt
         self.activations = rollout.activations if share_prompt else None
         rollout.activations = None
+        self.head = rollout.head if share_prompt else None
+        """The sampler's log-sum-exp and entropy per token (``SampledHead``), used like the
+        activations (``replay``) but in packed batches too."""
+        if self.head is not None:
+            self.head = SampledHead(self.head.stats.to(device), self.head.version)
         self.completion_ids = rollout.completion_ids.to(device)
         self.completion_mask = rollout.completion_mask.to(device)
         if share_prompt:
@@ -94,6 +112,10 @@ class TokenBatch:
         is freed layer by layer during the forward)."""
         if self.share:
             args, kw = self._shared(model, rows)
+            if replay and self.head is not None:
+                kw["sampled"] = _sampled_for(self.head, model, rows)
+                if last_replay:
+                    self.head = None
             if replay and self.activations is not None:
                 saved = self.activations
                 if last_replay:

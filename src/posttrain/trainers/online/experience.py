@@ -63,6 +63,8 @@ class ExperienceMaker:
         self.order: list[int] = []
         self.capture = False
         """Whether the next rollouts keep their projections' outputs for replay."""
+        self.head_stats = False
+        """Whether they keep each sampling distribution's log-sum-exp and entropy."""
 
     def next_rows(self, n: int) -> list[dict]:
         out = []
@@ -111,7 +113,8 @@ class ExperienceMaker:
             uniforms = uniforms.view(want, G, -1)[slots].flatten(0, 1)
             t0 = time.perf_counter()
             local = self.engine.generate([rows[j]["prompt"] for j in slots], G, self.params,
-                                         capture=self.capture, uniforms=uniforms)
+                                         capture=self.capture, uniforms=uniforms,
+                                         head_stats=self.head_stats)
             t1 = time.perf_counter()
             scored = self.score([rows[j] for j in slots], local)
             t_gen, t_reward = t_gen + t1 - t0, t_reward + time.perf_counter() - t1
@@ -166,9 +169,10 @@ class ExperienceMaker:
         own = (torch.tensor(slots)[:, None] * G + torch.arange(G)).flatten()
         if dist.world_size() == 1:
             return local, scored, own
-        activations, local.activations = local.activations, None
+        (activations, head), local.activations, local.head = (local.activations,
+                                                              local.head), None, None
         gathered = dist.gather_objects((local, scored))
-        local.activations = activations
+        local.activations, local.head = activations, head
         world, want = dist.world_size(), self.cfg.prompts_per_step
         # rank r's k-th group is slot k·world + r
         order = sorted(range(want), key=lambda j: (j % world, j // world))

@@ -133,6 +133,11 @@ class RLTrainer(Job):
                                       and not self.compiled and not self.sharded
                                       and can_replay(self.policy))
         self.experience.capture = self.reuse_rollout_forward
+        # the sampler's head statistics stand in for the head's forward in the passes
+        # before the first optimizer step, packed or not (unsharded, the engine samples the
+        # policy itself)
+        self.experience.head_stats = bool(cfg.fast and cfg.reuse_rollout_forward
+                                          and self.share_prompt and not self.sharded)
         self.packed = False
         """Whether the last batch's shared-prompt passes were packed into one call."""
 
