@@ -369,16 +369,18 @@ def test_sampler_matches_the_distribution():
         assert torch.allclose(logp, probs.log()[tokens], atol=1e-5)
 
 
+@pytest.mark.parametrize("blocks", [0, 2], ids=["one-block", "blocks-and-tail"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_the_blocked_sampler_is_the_inverse_cdf_over_a_large_vocabulary(temperature):
-    """Over a vocabulary of two CDF blocks and a ragged tail, each draw is the token a float64
-    inverse CDF picks for the same uniform number, except where that number lies within float32
-    rounding of the boundary between the two tokens; log-probs are log-softmax's."""
+def test_the_blocked_sampler_is_the_inverse_cdf_over_a_large_vocabulary(temperature, blocks):
+    """Over a vocabulary of two CDF blocks and a ragged tail (or of less than one block), each
+    draw is the token a float64 inverse CDF picks for the same uniform number, except where
+    that number lies within float32 rounding of the boundary between the two tokens;
+    log-probs are log-softmax's."""
     from posttrain.rollout import SamplingParams
     from posttrain.rollout.engine import CDF_BLOCK
     from posttrain.rollout.engine import sample_tokens as _sample
 
-    V, R = 2 * CDF_BLOCK + 777, 4000
+    V, R = blocks * CDF_BLOCK + 777, 4000
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(R, V, generator=g) * 3
     logits[:, 5] += 8  # rows with most of their mass in block 0 ...

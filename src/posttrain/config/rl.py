@@ -97,7 +97,10 @@ class RLConfig(RunConfig):
     token saved. Applies with fast, share_prompt where the batch's passes take two calls (prompts,
     then completions over their KV cache; a batch of short rows packed into one call
     replays nothing, and the next rollouts are not captured while batches pack), the lean
-    sampler (Llama-family), no dropout and no compile; false = always recompute."""
+    sampler (Llama-family), no dropout and no compile; false = always recompute. Also, packed
+    or not, any in-process sampler, unsharded: the sampler's log-sum-exp and entropy at each
+    token stand in for the forward of a fused head (large vocabularies, float32), one of its
+    four vocabulary-sized matmuls."""
     skip_zero_advantage: bool = True
     """Leave samples with zero advantage and no KL term out of the forward/backward pass
     (the gradient is the same; false only to measure what skipping saves)."""

@@ -7,10 +7,14 @@ behind one switch (``fast``, on by default; each piece also has its own):
   refused once the policy has moved;
 - :mod:`.attention` — eager attention for short inputs on the CPU;
 - :mod:`.memory` — glibc's malloc keeping freed memory (``keep_freed_memory``);
+- :mod:`.sparse_rows` — the input embedding trained by rows: sparse gradients, AdamW states
+  only for rows that have had one (``sparse_embedding_grad``);
 - :mod:`.compile` — ``torch.compile`` of the pointwise blocks (``compile``, off by default).
 
-With ``fast=false`` none of the first four runs; the plain path (``posttrain.models``,
-rollout backend ``hf``) never depends on them.
+With ``fast=false`` none of the first five runs; the plain path (``posttrain.models``,
+rollout backend ``hf``) never depends on them. (The trainers' AdamW is
+``sparse_rows.AdamW`` either way: with dense gradients it is torch's own step, and it loads
+a checkpoint written with row states.)
 """
 
 from __future__ import annotations

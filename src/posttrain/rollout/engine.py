@@ -107,6 +107,11 @@ def _inverse_cdf(logits: torch.Tensor, temperature: float, u: torch.Tensor,
     if temperature != 1.0:
         e.div_(temperature)
     e.exp_()  # (R, V) unnormalised probabilities, in (0, 1]
+    if V <= CDF_BLOCK:  # one block: its running sum is the whole CDF
+        cdf = e.cumsum(-1)
+        total = cdf[:, -1:]
+        tokens = torch.searchsorted(cdf, u[:, None] * total).clamp_max_(V - 1).squeeze(-1)
+        return _picked(logits, e, top, total, tokens, temperature, stats)
     n_full = V // CDF_BLOCK
     sums = [e[:, :n_full * CDF_BLOCK].view(R, n_full, CDF_BLOCK).sum(-1)] if n_full else []
     if V % CDF_BLOCK:
@@ -124,6 +129,14 @@ def _inverse_cdf(logits: torch.Tensor, temperature: float, u: torch.Tensor,
     last = inside.sum(-1, keepdim=True) - 1
     j = torch.searchsorted(within.add_(before), target).clamp_max_(last)
     tokens = (block * CDF_BLOCK + j).squeeze(-1)
+    return _picked(logits, e, top, total, tokens, temperature, stats)
+
+
+def _picked(logits, e, top, total, tokens, temperature: float, stats: bool):
+    """The sampled tokens' log-probs (and with ``stats`` each row's log-sum-exp and entropy)
+    from the logits, their row maximum ``top``, ``e = exp((logits − top) / T)`` and its row
+    sums ``total``."""
+    R = logits.shape[0]
     logp = ((logits.gather(-1, tokens[:, None]) - top) / temperature
             - total.log()).squeeze(-1)
     if not stats:
@@ -136,14 +149,12 @@ def _inverse_cdf(logits: torch.Tensor, temperature: float, u: torch.Tensor,
     return tokens, logp, (lse.squeeze(-1), ent.squeeze(-1))
 
 
-def _sampled_head(model, stats: torch.Tensor, end: torch.Tensor) -> SampledHead | None:
-    """``stats`` ``(2, N, Tc)`` zeroed past each sample's ``end`` and stamped with the
-    sampling model's version; None if any is not finite (a logit of -inf, say)."""
-    from posttrain.fast.replay import policy_version
-
+def _sampled_head(stats: torch.Tensor, end: torch.Tensor) -> SampledHead | None:
+    """``stats`` ``(2, N, Tc)`` zeroed past each sample's ``end`` (the caller stamps the
+    policy's version); None if any is not finite (a logit of -inf, say)."""
     cols = torch.arange(stats.shape[-1], device=stats.device)
     stats = stats.masked_fill(cols[None, None, :] > end[None, :, None], 0.0).cpu()
-    return SampledHead(stats, policy_version(model)) if bool(torch.isfinite(stats).all()) else None
+    return SampledHead(stats) if bool(torch.isfinite(stats).all()) else None
 
 
 def sampling_uniforms(seed: int, step: int, round_: int, rows: int, columns: int
@@ -277,7 +288,7 @@ class DecodingEngine(RolloutEngine):
         model.train(was_training)
         activations = decoder.activations(steps, end.clamp_max(steps - 1))
         if head is not None:
-            head = _sampled_head(model, head[:, :, :steps], end.clamp_max(steps - 1))
+            head = _sampled_head(head[:, :, :steps], end.clamp_max(steps - 1))
 
         rollout = self._finish(prompt_ids, n, tokens[:, :steps], logps[:, :steps], done, end,
                                params.stop, activations)

@@ -105,8 +105,9 @@ class SampledHead:
     """What the sampler knew of each distribution it drew a completion token from:
     ``stats`` ``(2, N, Tc)``, the log-sum-exp and the entropy of the tempered logits, aligned
     with ``Rollout.logprobs`` (zero past a sample's end), and ``version``, the sampling
-    policy's optimiser-step count (``posttrain.fast.replay.policy_version``). The update's
-    head uses them in place of its own forward matmul while the policy is that version."""
+    policy's optimiser-step count (``posttrain.fast.replay.policy_version``, stamped by the
+    trainer). The update's head uses them in place of its own forward matmul while the
+    policy is that version."""
 
     stats: torch.Tensor
     version: int = 0

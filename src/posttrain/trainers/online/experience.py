@@ -18,6 +18,7 @@ from posttrain import dist
 from posttrain.builtin import task as builtin_task
 from posttrain.core import RunningMoments, groups_with_signal, overlong_penalty
 from posttrain.core.algorithms import Algorithm
+from posttrain.fast.replay import policy_version
 from posttrain.rewards import reward_columns
 from posttrain.rewards import score as score_rewards
 from posttrain.rollout import Rollout, RolloutEngine, SamplingParams, concat, select
@@ -115,6 +116,8 @@ class ExperienceMaker:
             local = self.engine.generate([rows[j]["prompt"] for j in slots], G, self.params,
                                          capture=self.capture, uniforms=uniforms,
                                          head_stats=self.head_stats)
+            if local.head is not None:  # the weights they belong to
+                local.head.version = policy_version(self.engine.model)
             t1 = time.perf_counter()
             scored = self.score([rows[j] for j in slots], local)
             t_gen, t_reward = t_gen + t1 - t0, t_reward + time.perf_counter() - t1

@@ -49,6 +49,7 @@ from posttrain.models import (
     save_model,
     value_head,
 )
+from posttrain.models import logprobs as model_logprobs
 from posttrain.rewards import parse_rewards, reward_columns, score
 from posttrain.rollout import make_engine
 from posttrain.trainers import loop, trained
@@ -137,9 +138,20 @@ class RLTrainer(Job):
         # before the first optimizer step, packed or not (unsharded, the engine samples the
         # policy itself)
         self.experience.head_stats = bool(cfg.fast and cfg.reuse_rollout_forward
-                                          and self.share_prompt and not self.sharded)
+                                          and self.share_prompt and not self.sharded
+                                          and self._head_fuses())
         self.packed = False
         """Whether the last batch's shared-prompt passes were packed into one call."""
+
+    def _head_fuses(self) -> bool:
+        """Whether a micro-batch of full-length completions reaches the fused head (only
+        there do the sampler's head statistics save a matmul; below it they cost time)."""
+        head = self.policy.get_output_embeddings()
+        if head is None or not hasattr(head, "weight"):
+            return False
+        rows = min(self.cfg.micro_batch_size, self.cfg.prompts_per_step * self.cfg.group_size)
+        return (rows * self.cfg.max_new_tokens * head.weight.shape[0]
+                >= model_logprobs.FUSED_HEAD_MIN_ELEMENTS)
 
     def _rows(self) -> tuple[list[dict], list[dict]]:
         """Training and held-out prompts, each checked against max_length."""
