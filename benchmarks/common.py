@@ -4,8 +4,10 @@ subprocess (with its peak RSS), and alternating the two libraries across repeats
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -23,6 +25,23 @@ SIZES = {
                   tie_word_embeddings=False),
 }
 IMPLS = ("trl", "posttrain")
+
+
+@contextlib.contextmanager
+def scratch(path: str | None, prefix: str):
+    """A benchmark's working directory: ``path`` when given (created, and kept), else a fresh
+    temporary one removed when the benchmark ends, since its models and runs take gigabytes
+    at the 180M size."""
+    if path:
+        work = Path(path)
+        work.mkdir(parents=True, exist_ok=True)
+        yield work
+        return
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield work
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def child_env() -> dict[str, str]:

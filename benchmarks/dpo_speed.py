@@ -35,6 +35,7 @@ from common import (
     posttrain_step_times,
     print_comparison,
     run_comparisons,
+    scratch,
     trl_step_timer,
 )
 
@@ -114,8 +115,8 @@ def main() -> int:
         args.impl, args.size, args.setting = args.child
         return _child(args)
 
-    work = Path(args.work or tempfile.mkdtemp(prefix="posttrain-dpo-bench-"))
-    table = run_comparisons(__file__, args, work)
+    with scratch(args.work, "posttrain-dpo-bench-") as work:
+        table = run_comparisons(__file__, args, work)
     print_comparison(f"DPO, {PAIRS} pairs/step, fp32, CPU threads="
                      f"{child_env()['OMP_NUM_THREADS']}, {args.steps} steps (first "
                      f"{args.warmup} skipped), median of {args.repeats} alternating runs",

@@ -43,6 +43,7 @@ from common import (
     posttrain_step_times,
     print_comparison,
     run_comparisons,
+    scratch,
     trl_step_timer,
 )
 
@@ -121,11 +122,12 @@ def _child(impl, size, setting, steps, work) -> int:
 
 def main() -> int:
     args = comparison_parser(__doc__, steps=8).parse_args()
-    work = Path(args.work or tempfile.mkdtemp(prefix="posttrain-grpo-bench-"))
-    work.mkdir(parents=True, exist_ok=True)
     if args.child:
+        work = Path(args.work)
+        work.mkdir(parents=True, exist_ok=True)
         return _child(*args.child, args.steps, work)
-    table = run_comparisons(__file__, args, work)
+    with scratch(args.work, "posttrain-grpo-bench-") as work:
+        table = run_comparisons(__file__, args, work)
     print_comparison(f"GRPO, {PROMPTS} prompts x {G} completions, {NEW} new tokens, fp32, "
                      f"CPU threads={child_env()['OMP_NUM_THREADS']}, median of "
                      f"{args.repeats} alternating runs (steps {args.warmup + 1}-{args.steps})",

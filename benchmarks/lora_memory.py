@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import SIZES, child_env, spawn
+from common import SIZES, child_env, scratch, spawn
 
 LARGE = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
              num_attention_heads=8, num_key_value_heads=8, vocab_size=151936,
@@ -72,7 +72,11 @@ def main() -> int:
                    help="rows per forward/backward of the update, for both runs (the "
                         "update is the same whatever it is; 128: all 64 samples at once)")
     args = p.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="posttrain-lora-"))
+    with scratch(None, "posttrain-lora-") as work:
+        return _measure(args, work)
+
+
+def _measure(args, work: Path) -> int:
     print(f"| model | full: peak RSS, s/step | LoRA r={args.rank}: peak RSS, s/step | "
           "RSS ratio | time ratio |")
     print("|---|---|---|---|---|")

@@ -33,6 +33,7 @@ from common import (
     posttrain_step_times,
     print_comparison,
     run_comparisons,
+    scratch,
     trl_step_timer,
 )
 
@@ -109,8 +110,8 @@ def main() -> int:
     if args.child:
         args.impl, args.size, args.setting = args.child
         return _child(args)
-    work = Path(args.work or tempfile.mkdtemp(prefix="posttrain-rm-bench-"))
-    table = run_comparisons(__file__, args, work)
+    with scratch(args.work, "posttrain-rm-bench-") as work:
+        table = run_comparisons(__file__, args, work)
     print_comparison(f"Reward model, {PAIRS} pairs/step, fp32, CPU threads="
                      f"{child_env()['OMP_NUM_THREADS']}, {args.steps} steps (first "
                      f"{args.warmup} skipped), median of {args.repeats} alternating runs",

@@ -33,12 +33,11 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import SIZES, child_env, run_comparisons
+from common import SIZES, child_env, run_comparisons, scratch
 
 STEPS = {"grpo": {"small": 8, "medium": 8, "large": 5},
          "dpo": {"small": 12, "medium": 12, "large": 6},
@@ -129,8 +128,8 @@ def main() -> int:
             ns = argparse.Namespace(sizes=[size], settings=["identical"],
                                     repeats=args.repeats, steps=STEPS[bench][size],
                                     warmup=args.warmup)
-            work = Path(tempfile.mkdtemp(prefix=f"posttrain-suite-{bench}-"))
-            ((_, _, trl_res, pt_res),) = run_comparisons(module.__file__, ns, work)
+            with scratch(None, f"posttrain-suite-{bench}-") as work:
+                ((_, _, trl_res, pt_res),) = run_comparisons(module.__file__, ns, work)
             ratios = sorted(a / b for a, b in zip(trl_res["step_s_runs"],
                                                   pt_res["step_s_runs"], strict=True))
             tokens = _tokens_per_step(bench)

@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import SIZES
+from common import SIZES, scratch
 
 
 def _run(command: str, model: Path, ranks: int, batch: int, steps: int, work: Path) -> float:
@@ -54,9 +54,13 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=12)
     args = p.parse_args()
+    with scratch(None, "posttrain-weak-") as work:
+        return _measure(args, work)
+
+
+def _measure(args, work: Path) -> int:
     from posttrain.builtin.build import init_model
 
-    work = Path(tempfile.mkdtemp(prefix="posttrain-weak-"))
     model = work / "model"
     init_model(model, **SIZES[args.size])
     runs: dict[int, list[float]] = {1: [], args.ranks: []}
