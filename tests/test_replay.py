@@ -282,6 +282,25 @@ def test_trainer_step_same_with_and_without_reuse(tiny_model_dir, tmp_path, kw, 
     torch.testing.assert_close(moved[0], moved[1], rtol=0, atol=1e-5 * moved[1].abs().max())
 
 
+def test_head_statistics_only_where_the_update_computes_what_sampling_did(tiny_model_dir,
+                                                                            tmp_path,
+                                                                            monkeypatch):
+    """The sampler's head statistics stand in for the head only when the head fuses and the
+    update's forward drops nothing (LoRA's dropout would make ``z_y − lse`` a mismatch)."""
+    pytest.importorskip("peft")
+    from posttrain.models import logprobs as model_logprobs
+
+    reward, data = _task_files(tmp_path)
+    assert not _rl_trainer(tiny_model_dir, tmp_path / "small", reward, data,
+                           True).experience.head_stats  # this head never fuses
+    monkeypatch.setattr(model_logprobs, "FUSED_HEAD_MIN_ELEMENTS", 0)
+    assert _rl_trainer(tiny_model_dir, tmp_path / "a", reward, data, True).experience.head_stats
+    assert not _rl_trainer(tiny_model_dir, tmp_path / "b", reward, data, True, lora_rank=4,
+                           lora_dropout=0.1).experience.head_stats
+    assert not _rl_trainer(tiny_model_dir, tmp_path / "c", reward, data,
+                           False).experience.head_stats
+
+
 def test_packed_batches_replay_nothing_and_stop_the_capture(tiny_model_dir, tmp_path,
                                                             monkeypatch):
     """Where the shared-prompt passes are packed into one call (short rows), nothing is

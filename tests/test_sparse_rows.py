@@ -208,3 +208,19 @@ def test_a_run_trains_the_embedding_by_rows_and_resumes_exactly(command, untied_
     a = load_file(str(whole / "final" / "model.safetensors"))
     b = load_file(str(again / "final" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_rows_state_written_out_dense_is_the_dense_optimisers(monkeypatch, tmp_path):
+    """What a sharded model's loader gets from a one-process checkpoint."""
+    monkeypatch.setattr(sparse_rows, "DENSE_FROM", 2.0)
+    _, rows_opt = _run(sparse_rows.AdamW, True, torch.float64, 0.1, steps=5)
+    _, dense_opt = _run(torch.optim.AdamW, False, torch.float64, 0.1, steps=5)
+    ckpt.save_optimizer(rows_opt.state_dict(), tmp_path / "opt")
+    params = [p for g in rows_opt.param_groups for p in g["params"]]
+    sd = sparse_rows.dense_state_dict(ckpt.read_optimizer(tmp_path / "opt"), params)
+    want = dense_opt.state_dict()["state"][0]
+    got = sd["state"][0]
+    assert "rows" not in got
+    for k in ("exp_avg", "exp_avg_sq"):
+        assert got[k].shape == want[k].shape
+        assert torch.allclose(got[k], want[k], rtol=1e-12, atol=0)

@@ -330,8 +330,13 @@ def can_replay(model) -> bool:
     checkpointing)."""
     checkpointing = any(getattr(m, "gradient_checkpointing", False) is True
                         for m in model.modules())
-    dropout = getattr(model.config, "attention_dropout", 0.0) or any(
-        isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
     from posttrain.fast.lean import LeanLlamaDecoder
 
-    return LeanLlamaDecoder.supports(model) and not checkpointing and not dropout
+    return LeanLlamaDecoder.supports(model) and not checkpointing and not has_dropout(model)
+
+
+def has_dropout(model) -> bool:
+    """Whether ``model``'s training forward drops anything (attention dropout, a dropout
+    module, LoRA's among them), so it does not compute what its sampling computed."""
+    return bool(getattr(model.config, "attention_dropout", 0.0) or any(
+        isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()))

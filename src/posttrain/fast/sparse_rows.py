@@ -12,7 +12,9 @@ What is exact. A row that has never had a gradient has ``m = v = 0``, so AdamW's
 is still applied to every row. A row that has had a gradient keeps its states and is updated
 every step afterwards, with a zero gradient when its token is absent, as the dense optimiser
 does. Bias corrections count the optimiser's steps, not a row's. So the weights equal dense
-AdamW's to float rounding (tested against ``torch.optim.AdamW``). What differs is only where
+AdamW's to float rounding (tested against ``torch.optim.AdamW``; in bfloat16 the row step
+rounds each of its operations to bfloat16, where torch's fused kernel rounds once, so the
+weights can differ by an ulp). What differs is only where
 the states live: ``rows`` (sorted token ids) with ``exp_avg``/``exp_avg_sq`` of shape
 ``(len(rows), H)``; once half the vocabulary has been touched the states become dense again
 (``rows`` dropped), and the update still never forms a dense gradient.
@@ -154,6 +156,16 @@ def _grow(st: dict, idx: torch.Tensor, vocab: int) -> torch.Tensor | None:
         st[k] = grown
     st["rows"] = merged
     return merged
+
+
+def dense_state_dict(sd: dict, params: list[torch.Tensor]) -> dict:
+    """``sd`` (an optimiser ``state_dict()``, parameters by position) with every rows state
+    written out dense, for a loader that knows only dense states (a sharded model's)."""
+    for pid, st in sd["state"].items():
+        if "rows" in st:
+            st["rows"] = st["rows"].to(torch.long)
+            _to_dense(st, params[int(pid)])
+    return sd
 
 
 def _to_dense(st: dict, p: torch.Tensor) -> None:

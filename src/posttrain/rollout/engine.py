@@ -123,10 +123,12 @@ def _inverse_cdf(logits: torch.Tensor, temperature: float, u: torch.Tensor,
     before = torch.where(block > 0, cum.gather(-1, (block - 1).clamp_min(0)), 0.0)
     cols = block * CDF_BLOCK + torch.arange(CDF_BLOCK, device=e.device)  # (R, CDF_BLOCK)
     inside = cols < V
-    within = e.gather(-1, cols.clamp_max(V - 1)).masked_fill_(~inside, 0.0).cumsum_(-1)
+    mass = e.gather(-1, cols.clamp_max(V - 1)).masked_fill_(~inside, 0.0)  # (R, CDF_BLOCK)
     # rounding may leave the block's own running sum a hair short of ``target``: take its
-    # last token then
-    last = inside.sum(-1, keepdim=True) - 1
+    # last token with any mass then (never one of probability 0, a top-k / top-p cut one)
+    last = torch.where(mass > 0, torch.arange(CDF_BLOCK, device=e.device), 0).amax(
+        -1, keepdim=True)
+    within = mass.cumsum_(-1)
     j = torch.searchsorted(within.add_(before), target).clamp_max_(last)
     tokens = (block * CDF_BLOCK + j).squeeze(-1)
     return _picked(logits, e, top, total, tokens, temperature, stats)

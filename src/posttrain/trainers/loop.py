@@ -106,7 +106,8 @@ class Optim:
 
     def load(self, path: Path) -> None:
         sd = ckpt.read_optimizer(path)
-        if self.sharded:
+        if self.sharded:  # a one-process checkpoint may hold the embedding's rows states
+            sd = sparse_rows.dense_state_dict(sd, self.params)
             sharding.load_optimizer_state(self.model, self.opt, self.params, sd)
         else:
             self.opt.load_state_dict(sd)

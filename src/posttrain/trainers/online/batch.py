@@ -138,6 +138,11 @@ class TokenBatch:
         res = [torch.where(mask, x.gather(1, cols), 0.0) for x in outs]
         return tuple(res) if with_entropy else res[0]
 
+    def release_sampler_outputs(self) -> None:
+        """Drop the sampler's saved outputs and head statistics (the policy has moved; a
+        rank whose rows of a minibatch were all dead never made the releasing call)."""
+        self.activations = self.head = None
+
     def values(self, critic, rows: torch.Tensor) -> torch.Tensor:
         """The critic's ``V(x, y_<t)`` for each completion token of ``rows``,
         ``(len(rows), Lc)``: its value head on the hidden state that precedes the token (the

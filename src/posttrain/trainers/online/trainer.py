@@ -40,7 +40,7 @@ from posttrain.core import AdaptiveKLController, FixedKLController
 from posttrain.core.algorithms import compute_advantages
 from posttrain.evaluate import greedy_completions
 from posttrain.fast.compile import compile_models
-from posttrain.fast.replay import can_replay, track_policy_version
+from posttrain.fast.replay import can_replay, has_dropout, track_policy_version
 from posttrain.models import (
     decide_share_prompt,
     load_reward_model,
@@ -139,6 +139,7 @@ class RLTrainer(Job):
         # policy itself)
         self.experience.head_stats = bool(cfg.fast and cfg.reuse_rollout_forward
                                           and self.share_prompt and not self.sharded
+                                          and not has_dropout(self.policy)
                                           and self._head_fuses())
         self.packed = False
         """Whether the last batch's shared-prompt passes were packed into one call."""

@@ -171,6 +171,8 @@ def run_updates(policy, critic, algo: Algorithm, tokens: TokenBatch, x: UpdateIn
                     cfg.max_new_tokens, x.recorded))
                 norm["grad_norm"] = policy_opt.step()
                 n_steps += 1
+                if tokens is not None:  # the policy moved: what the sampler saved is stale
+                    tokens.release_sampler_outputs()
             if critic is not None:
                 m.update(accumulate_value_gradient(critic, algo, tokens, x.mask, idx,
                                                    x.old_values, x.returns, live, x.local_of,
