@@ -44,6 +44,39 @@ def scratch(path: str | None, prefix: str):
         shutil.rmtree(work, ignore_errors=True)
 
 
+def preference_inputs(work: Path, size: str, pairs: int, steps: int,
+                      columns: tuple[str, ...] | None = None) -> tuple[Path, Path]:
+    """The model of ``size`` and ``pairs × (steps + 2)`` built-in preference pairs
+    (``columns`` of each row, or all) under ``work``, made once for a benchmark's runs."""
+    from posttrain.builtin import task
+    from posttrain.builtin.build import init_model
+
+    model_dir = work / f"model-{size}"
+    if not model_dir.exists():
+        init_model(model_dir, **SIZES[size])
+    data = work / "pairs.jsonl"
+    if not data.exists():
+        rows = task.preference_rows(pairs * (steps + 2), "train")
+        if columns is not None:
+            rows = [{k: r[k] for k in columns} for r in rows]
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return model_dir, data
+
+
+def run_preference_child(args, prepare, run_posttrain, run_trl) -> int:
+    """A preference benchmark's child (``--child IMPL SIZE SETTING``): one run of one
+    library, printing its ``RESULT`` line."""
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+    work = Path(args.work)
+    model_dir, data = prepare(work, args.size, args.steps)
+    out = Path(tempfile.mkdtemp(prefix=f"{args.impl}-", dir=work))
+    fn = run_posttrain if args.impl == "posttrain" else run_trl
+    print("RESULT " + json.dumps(fn(model_dir, data, args.steps, args.setting, out)))
+    return 0
+
+
 def child_env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
 

@@ -18,21 +18,19 @@ Needs the bench extra: pip install -e '.[bench]'
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (
-    SIZES,
     child_env,
     comparison_parser,
     posttrain_step_times,
+    preference_inputs,
     print_comparison,
     run_comparisons,
+    run_preference_child,
     scratch,
     trl_step_timer,
 )
@@ -41,18 +39,7 @@ PAIRS, LR = 16, 1e-5
 
 
 def _prepare(work: Path, size: str, steps: int) -> tuple[Path, Path]:
-    from posttrain.builtin import task
-    from posttrain.builtin.build import init_model
-
-    model_dir = work / f"model-{size}"
-    if not model_dir.exists():
-        init_model(model_dir, **SIZES[size])
-    data = work / "pairs.jsonl"
-    if not data.exists():
-        rows = task.preference_rows(PAIRS * (steps + 2), "train")
-        data.write_text("".join(json.dumps({k: r[k] for k in ("prompt", "chosen", "rejected")})
-                                + "\n" for r in rows))
-    return model_dir, data
+    return preference_inputs(work, size, PAIRS, steps, columns=('prompt', 'chosen', 'rejected'))
 
 
 def _run_posttrain(model_dir: Path, data: Path, steps: int, setting: str, out: Path) -> dict:
@@ -93,23 +80,11 @@ def _run_trl(model_dir: Path, data: Path, steps: int, setting: str, out: Path) -
     return {"step_s": times, "total_s": time.perf_counter() - t0}
 
 
-def _child(args) -> int:
-    import torch
-
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
-    work = Path(args.work)
-    model_dir, data = _prepare(work, args.size, args.steps)
-    out = Path(tempfile.mkdtemp(prefix=f"{args.impl}-", dir=work))
-    fn = _run_posttrain if args.impl == "posttrain" else _run_trl
-    print("RESULT " + json.dumps(fn(model_dir, data, args.steps, args.setting, out)))
-    return 0
-
-
 def main() -> int:
     args = comparison_parser(__doc__, steps=12).parse_args()
     if args.child:
         args.impl, args.size, args.setting = args.child
-        return _child(args)
+        return run_preference_child(args, _prepare, _run_posttrain, _run_trl)
     with scratch(args.work, "posttrain-rm-bench-") as work:
         table = run_comparisons(__file__, args, work)
     print_comparison(f"Reward model, {PAIRS} pairs/step, fp32, CPU threads="

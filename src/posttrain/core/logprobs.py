@@ -184,7 +184,7 @@ class _HeadLogprobs(torch.autograd.Function):
             picked = (hidden.to(dtype) * weight[labels].to(dtype)).sum(-1)  # (N,)
             if bias is not None:
                 picked = picked + bias[labels].to(dtype)
-            out = _transformed(picked, transform) - lse
+            out = head_logit_transform(picked, *transform) - lse
             ent = sampled[1].to(dtype) if with_entropy else out.new_empty(0)
             ctx.save_for_backward(hidden, weight, bias, labels, lse)
             ctx.mark_non_differentiable(ent)
@@ -251,21 +251,6 @@ class _HeadLogprobs(torch.autograd.Function):
                 grad_b.add_(d.sum(0))
         return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
                 None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None)
-
-
-def _transformed(z: torch.Tensor, transform) -> torch.Tensor:
-    """``z`` through the head's transform: the operations of :func:`_chunk_logits`, out of
-    place."""
-    scale, divide, softcap, temperature = transform
-    if scale != 1.0:
-        z = z * scale
-    if divide != 1.0:
-        z = z / divide
-    if softcap:
-        z = torch.tanh(z / softcap) * softcap
-    if temperature != 1.0:
-        z = z / temperature
-    return z
 
 
 def _chunk_logits(h, weight, bias, transform, buf: torch.Tensor) -> torch.Tensor:

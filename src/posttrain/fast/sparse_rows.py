@@ -80,7 +80,7 @@ class AdamW(torch.optim.AdamW):
                     self._held.append((p, p.grad))
                     p.grad = None
                 elif "rows" in self.state[p]:
-                    _to_dense(self.state[p], p)
+                    _to_dense(self.state[p], p.shape)
 
     @staticmethod
     def _step_rows(self: AdamW, *_) -> None:
@@ -142,12 +142,7 @@ def _grow(st: dict, idx: torch.Tensor, vocab: int) -> torch.Tensor | None:
         return rows
     merged = torch.cat([rows, new]).sort().values
     if len(merged) >= DENSE_FROM * vocab:
-        dense_shape = (vocab, *st["exp_avg"].shape[1:])
-        for k in ("exp_avg", "exp_avg_sq"):
-            full = st[k].new_zeros(dense_shape)
-            full.index_copy_(0, rows, st[k])
-            st[k] = full
-        del st["rows"]
+        _to_dense(st, (vocab, *st["exp_avg"].shape[1:]))
         return None
     at = torch.searchsorted(merged, rows)
     for k in ("exp_avg", "exp_avg_sq"):
@@ -164,14 +159,14 @@ def dense_state_dict(sd: dict, params: list[torch.Tensor]) -> dict:
     for pid, st in sd["state"].items():
         if "rows" in st:
             st["rows"] = st["rows"].to(torch.long)
-            _to_dense(st, params[int(pid)])
+            _to_dense(st, params[int(pid)].shape)
     return sd
 
 
-def _to_dense(st: dict, p: torch.Tensor) -> None:
-    """A rows state as torch's dense one (for a dense gradient)."""
+def _to_dense(st: dict, shape) -> None:
+    """A rows state as torch's dense one of the parameter's ``shape``."""
     rows = st.pop("rows")
     for k in ("exp_avg", "exp_avg_sq"):
-        full = st[k].new_zeros(p.shape)
+        full = st[k].new_zeros(shape)
         full.index_copy_(0, rows, st[k])
         st[k] = full

@@ -48,7 +48,7 @@ head matmul (it recomputes each chunk's logits: 4 head matmuls instead of 3 with
 weight's gradient) would cost time for nothing."""
 
 
-def _fusable_head(model: PreTrainedModel, rows: int):
+def fusable_head(model: PreTrainedModel, rows: int):
     """The output embeddings as a plain ``nn.Linear`` whose weight the fused log-prob path
     can read, when ``rows`` of its logits would reach :data:`FUSED_HEAD_MIN_ELEMENTS`; else
     None (small logits, a sharded or quantised weight, another module type)."""
@@ -72,7 +72,7 @@ def head_logprobs(model: PreTrainedModel, hidden: torch.Tensor, labels: torch.Te
     ``sampled`` ``(2, N)``: the log-sum-exp and entropy of the distributions the policy, as
     it is now, sampled ``labels`` from; the fused head then skips its forward matmul (float32
     heads only: there the sampler's figures are the head's own to rounding)."""
-    head = _fusable_head(model, hidden.shape[0])
+    head = fusable_head(model, hidden.shape[0])
     if head is None:
         return scatter_logprobs(tempered(head_logits(model, hidden), temperature), labels,
                                 target, with_entropy)

@@ -147,12 +147,8 @@ class RLTrainer(Job):
     def _head_fuses(self) -> bool:
         """Whether a micro-batch of full-length completions reaches the fused head (only
         there do the sampler's head statistics save a matmul; below it they cost time)."""
-        head = self.policy.get_output_embeddings()
-        if head is None or not hasattr(head, "weight"):
-            return False
         rows = min(self.cfg.micro_batch_size, self.cfg.prompts_per_step * self.cfg.group_size)
-        return (rows * self.cfg.max_new_tokens * head.weight.shape[0]
-                >= model_logprobs.FUSED_HEAD_MIN_ELEMENTS)
+        return model_logprobs.fusable_head(self.policy, rows * self.cfg.max_new_tokens) is not None
 
     def _rows(self) -> tuple[list[dict], list[dict]]:
         """Training and held-out prompts, each checked against max_length."""
