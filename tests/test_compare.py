@@ -1,7 +1,7 @@
 """``posttrain compare``: the upcycled mixture-of-experts start computes the dense model it
 came from, and a small study (two algorithms and the start, one seed, a small token budget,
 the MoE study included) writes its report, curves and results with every run inside its
-budget."""
+budget, and reports the scores of the models it trained."""
 
 from __future__ import annotations
 
@@ -12,45 +12,68 @@ import pytest
 import torch
 
 from bounds import model_inner, model_stages, rel_bound
-from posttrain import compare
+from posttrain.builtin import task
 from posttrain.cli import main
-from posttrain.models import load_causal_lm
+from posttrain.compare import moe
+from posttrain.compare.runner import EVAL_SIZE
+from posttrain.evaluate import evaluate_policy
+from posttrain.models import load_causal_lm, load_tokenizer
 
 
 def test_an_upcycled_model_computes_the_dense_one():
     """Identical experts (no noise): whatever the router picks, the top-k weights sum to
     one, so the logits are the dense model's within two float32 forwards' bound."""
     dense = load_causal_lm("builtin", device="cpu").eval()
-    moe = compare.upcycle(dense, noise=0.0).eval()
-    assert type(moe).__name__ == "MixtralForCausalLM"
+    upcycled = moe.upcycle(dense, noise=0.0).eval()
+    assert type(upcycled).__name__ == "MixtralForCausalLM"
     ids = torch.randint(3, 200, (4, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        a, b = dense(ids).logits.double(), moe(ids).logits.double()
+        a, b = dense(ids).logits.double(), upcycled(ids).logits.double()
     bound = 2 * rel_bound(model_stages(dense.config, backward=False) + 2,
                           model_inner(dense.config, 12))
     assert float((a - b).norm() / a.norm()) <= bound
-    jittered = compare.upcycle(dense, noise=0.05).eval()
+    jittered = moe.upcycle(dense, noise=0.05).eval()
     with torch.no_grad():
         c = jittered(ids).logits.double()
     assert float((a - c).norm() / a.norm()) > 100 * bound  # the experts do part
 
 
+def _held_out_accuracy(model: str) -> float:
+    """Greedy accuracy of ``model`` on the study's fixed held-out problems, evaluated here
+    rather than by the study's scorer."""
+    return evaluate_policy(load_causal_lm(model, device="cpu").eval(),
+                           load_tokenizer("builtin"), task.rl_rows(EVAL_SIZE, "eval"),
+                           task.reward, max_new_tokens=8)["accuracy"]
+
+
 @pytest.mark.e2e
 def test_a_small_study_writes_its_report(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(compare, "MOE_SFT_STEPS", 4)
+    monkeypatch.setattr(moe, "MOE_SFT_STEPS", 4)
     out = tmp_path / "cmp"
     assert main(["compare", "--algos", "sft", "grpo", "dpo", "--seeds", "1", "--tokens",
                  "1500", "--moe_seeds", "1", "--output", str(out)]) == 0
     assert json.loads(capsys.readouterr().out)["report"] == str(out / "report.md")
     results = json.loads((out / "results.json").read_text())
+    report = (out / "report.md").read_text()
+    # the start row is the built-in model on the held-out problems, and its KL to itself is 0
+    (start,) = results["algos"]["sft"]
+    assert start["accuracy"] == _held_out_accuracy("builtin") and start["kl"] == 0.0
     for algo in ("grpo", "dpo"):
         (run,) = results["algos"][algo]
         # the budget: stopped on the first step past it, so within one step of it
         assert 1500 <= run["tokens"] < 1500 + 16 * 8 * 8
-        assert 0 <= run["accuracy"] <= 1 and math.isfinite(run["kl"]) and run["curve"]
+        # the scores are the run's final model's (not the start's, a checkpoint's or the
+        # run's own evaluation of 100 problems), and the report prints those numbers
+        final = str(out / "runs" / f"{algo}-seed0" / "final")
+        assert run["accuracy"] == _held_out_accuracy(final) and math.isfinite(run["kl"])
+        row = f"| {algo} | {run['accuracy']:.1%} ± 0.0% | {run['reward']:.3f} ± 0.000 |"
+        assert row in report
+        # the curve rises in tokens and ends at what the run spent
+        tokens = [p[0] for p in run["curve"]]
+        assert tokens == sorted(set(tokens))
+        assert run["curve"][-1][:2] == [run["tokens"], run["train_s"]]
         assert run["peak_rss_mib"] > 0
     assert set(results["moe"]["runs"]) == {"grpo", "gspo"}
-    report = (out / "report.md").read_text()
     for text in ("| grpo |", "| dpo |", "sft (the start)", "GRPO against GSPO",
                  "stability advantage", "curves.png"):
         assert text in report
