@@ -163,3 +163,39 @@ def test_eval_rejects_training_keys(capsys):
         main(["eval", "--lr", "1"])
     assert e.value.code == 2
     assert "unrecognized arguments" in capsys.readouterr().err
+
+
+def _bert_dir(path, cls_name: str):
+    """A tiny random BERT (built from a local config) with a WordPiece tokenizer that, like
+    BERT's, has a pad token and no eos token."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    config = transformers.BertConfig(vocab_size=48, hidden_size=16, num_hidden_layers=1,
+                                     num_attention_heads=2, intermediate_size=32,
+                                     max_position_embeddings=64)
+    getattr(transformers, cls_name)(config).save_pretrained(path)
+    special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    vocab = {t: i for i, t in enumerate(special + list("0123456789+=abcdefghijklmnopqrstuvwxyz"))}
+    wordpiece = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    wordpiece.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    transformers.BertTokenizerFast(tokenizer_object=wordpiece, unk_token="[UNK]",
+                                   pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]",
+                                   mask_token="[MASK]").save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("command, cls_name", [("eval", "BertForMaskedLM"),
+                                                ("eval", "BertModel"),
+                                                ("sft", "BertForMaskedLM")])
+def test_a_model_that_is_not_a_causal_lm_is_named(tmp_path, capsys, command, cls_name):
+    """An encoder given as the model is refused at load, naming the directory and its
+    architecture (it used to sample and fail on its missing eos token)."""
+    bert = str(_bert_dir(tmp_path / "bert", cls_name))
+    args = (["eval", "--model", bert, "--n", "2", "--device", "cpu"] if command == "eval"
+            else ["sft", "--model", bert, "--output_dir", str(tmp_path / "out"), *SMALL])
+    capsys.readouterr()
+    assert main(args) == 2
+    err = [x for x in capsys.readouterr().err.strip().splitlines() if x.startswith("error: ")]
+    assert len(err) == 1, err
+    assert f"model {bert}: not a causal language model ({cls_name})" in err[0]

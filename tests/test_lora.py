@@ -6,6 +6,8 @@ with the adapter model's logits, and LoRA GRPO learns the built-in task."""
 from __future__ import annotations
 
 import json
+import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -244,3 +246,161 @@ def test_lora_dpo_lifts_greedy_accuracy(tmp_path, capsys):
     assert main(["eval", "--model", str(merged), "--device", "cpu"]) == 0
     final = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["accuracy"]
     assert final >= start + 0.10, (start, final)
+
+
+# --- an adapter directory where a model is asked for --------------------------------------
+
+@pytest.fixture(scope="module")
+def adapter_run(tmp_path_factory):
+    """A LoRA SFT run on the built-in model (3 steps at lr 1e-2, so the adapter moves the
+    model) and ``posttrain merge`` of its final/: (RUN/final, merged directory)."""
+    root = tmp_path_factory.mktemp("adapter")
+    out, merged = root / "sft", root / "merged"
+    assert main(["sft", "--lora_rank", "4", "--max_steps", "3", "--lr", "1e-2",
+                 "--output_dir", str(out), *FAST]) == 0
+    assert main(["merge", str(out / "final"), "--output", str(merged)]) == 0
+    return out / "final", merged
+
+
+def _start(final) -> torch.nn.Module:
+    """Base + adapter by peft's own merge, independent of posttrain's adapter loading."""
+    return lora.load(load_causal_lm("builtin", device="cpu"), final,
+                     trainable=False).merge_and_unload()
+
+
+def _weights_equal(model, expected) -> None:
+    """``model``'s frozen weights (an adapted model's base layers) equal ``expected``'s."""
+    inner = model.get_base_model() if lora.is_adapted(model) else model
+    got = {k.replace(".base_layer", ""): v for k, v in inner.state_dict().items()
+           if "lora_" not in k}
+    want = expected.state_dict()
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_an_adapter_dir_loads_as_its_base_with_the_adapter_merged(adapter_run):
+    final, _ = adapter_run
+    model, start = load_causal_lm(str(final), device="cpu"), _start(final)
+    assert not lora.is_adapted(model)
+    _weights_equal(model, start)
+    unmerged = lora.load(load_causal_lm("builtin", device="cpu"), final, trainable=False)
+    base = load_causal_lm("builtin", device="cpu")
+    ids = torch.tensor([[5, 60, 61, 62, 63, 64, 65, 66]])
+    with torch.no_grad():
+        m, u, b = model(ids).logits, unmerged(ids).logits, base(ids).logits
+    bound = _bound(model, ids.shape[1])
+    assert _rel(m, u) <= bound
+    assert _rel(m, b) > 10 * bound  # the adapter is in it
+    from posttrain.models import load_tokenizer
+
+    assert load_tokenizer(str(final)).get_vocab() == load_tokenizer("builtin").get_vocab()
+
+
+def test_eval_of_an_adapter_dir_is_eval_of_its_merged_model(adapter_run, capsys):
+    final, merged = adapter_run
+    results = []
+    for model in (final, merged):
+        capsys.readouterr()
+        assert main(["eval", "--model", str(model), "--n", "40", "--device", "cpu"]) == 0
+        results.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert results[0]["model"] == str(final)
+    assert {**results[0], "model": None} == {**results[1], "model": None}
+    assert results[0]["n"] == 40
+
+
+@pytest.mark.parametrize("rank", [0, 2])
+def test_sft_from_an_adapter_dir_starts_at_base_plus_adapter(adapter_run, tmp_path, rank):
+    """Without lora_rank the merged start trains in full; with it a fresh adapter of that
+    rank sits on the merged start (its adapter-off model is the start) and its saved
+    adapter names the starting adapter as its base, so it loads as the chain."""
+    from posttrain.config import SFTConfig
+    from posttrain.trainers import trained
+
+    final, _ = adapter_run
+    cfg = SFTConfig(model=str(final), lora_rank=rank, device="cpu")
+    model = trained.load_trained(cfg, None, lambda n: trained.load_policy(cfg, n, True))
+    _weights_equal(model, _start(final))
+    assert lora.is_adapted(model) == (rank > 0)
+    if rank:
+        assert model.peft_config["default"].r == rank
+    out = tmp_path / "again"
+    lora_args = ["--lora_rank", str(rank)] if rank else []
+    assert main(["sft", "--model", str(final), *lora_args, "--max_steps", "1",
+                 "--output_dir", str(out), *FAST]) == 0
+    if rank:
+        config = json.loads((out / "final" / "adapter_config.json").read_text())
+        assert config["base_model_name_or_path"] == str(final.resolve())
+    assert not lora.is_adapted(load_causal_lm(str(out / "final"), device="cpu"))
+
+
+@pytest.mark.parametrize("rank", [0, 2])
+def test_grpo_from_an_adapter_dir_has_the_start_as_its_reference(adapter_run, tmp_path, rank):
+    """The KL reference is base + adapter: a loaded copy of it in full fine-tuning, the
+    policy with its fresh adapter off under LoRA (not the first adapter's base)."""
+    from posttrain.models import completion_logprobs as logprobs
+    from posttrain.trainers.online import RLTrainer
+    from rl_steps import rl_step
+
+    final, _ = adapter_run
+    cfg = RLConfig(model=str(final), lora_rank=rank, kl_coef=0.04, output_dir=str(tmp_path),
+                   max_steps=1, prompts_per_step=2, group_size=4, max_new_tokens=4,
+                   builtin_train_size=32, builtin_eval_size=8, eval_every=0, device="cpu",
+                   tensorboard=False)
+    cfg.validate()
+    trainer, start = RLTrainer(cfg), _start(final)
+    ref = trainer.policy if rank else trainer.ref
+    assert (trainer.ref is None) == (rank > 0)
+    _weights_equal(ref, start)
+    b = _batch()
+    with torch.no_grad(), lora.adapter_off(ref):
+        got = logprobs(ref, b["input_ids"], b["attention_mask"], b["loss_mask"])
+    assert _rel(got, _logprobs(start, b)) <= _bound(start, b["input_ids"].shape[1])
+    record = rl_step(trainer)
+    assert math.isfinite(record["train/loss"])
+
+
+def test_an_adapters_base_resolves_or_is_one_clear_line(adapter_run, tmp_path, capsys,
+                                                         monkeypatch):
+    """The base as written, else relative to the adapter's directory, ``builtin`` as the
+    built-in model; a missing base and a missing peft are one line (exit 2); an adapter
+    saved without a tokenizer takes its base's."""
+    import shutil
+    import sys
+
+    from posttrain.models import adapter_base, builtin_model_dir, load_tokenizer
+
+    final, _ = adapter_run
+    monkeypatch.chdir(tmp_path)
+
+    def copy_with_base(where, base):
+        shutil.copytree(final, where)
+        config = json.loads((where / "adapter_config.json").read_text())
+        (where / "adapter_config.json").write_text(json.dumps(
+            {**config, "base_model_name_or_path": base}))
+        return where
+
+    moved = copy_with_base(tmp_path / "m" / "run" / "final", "../../base")
+    shutil.copytree(builtin_model_dir(), tmp_path / "m" / "base")
+    assert Path(adapter_base(moved)).resolve() == (tmp_path / "m" / "base").resolve()
+    named = copy_with_base(tmp_path / "named", "builtin")
+    assert adapter_base(named) == "builtin"
+    _weights_equal(load_causal_lm(str(named), device="cpu"), _start(final))
+    for f in named.glob("tokenizer*"):
+        f.unlink()
+    assert load_tokenizer(str(named)).get_vocab() == load_tokenizer("builtin").get_vocab()
+
+    def one_line(args, *needles):
+        capsys.readouterr()
+        assert main(args) == 2
+        err = [x for x in capsys.readouterr().err.strip().splitlines()
+               if x.startswith("error: ")]
+        assert len(err) == 1 and all(n in err[0] for n in needles), err
+
+    lost = copy_with_base(tmp_path / "lost", str(tmp_path / "no-such-base"))
+    one_line(["eval", "--model", str(lost), "--device", "cpu"], str(lost), "no-such-base",
+             "does not exist")
+    one_line(["sft", "--model", str(lost), "--output_dir", str(tmp_path / "o"), *FAST],
+             str(lost), "does not exist")
+    monkeypatch.setitem(sys.modules, "peft", None)  # import peft raises ImportError
+    one_line(["eval", "--model", str(final), "--device", "cpu"], str(final), "needs peft",
+             "pip install")

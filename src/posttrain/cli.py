@@ -87,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("--config", help="YAML file of config keys")
     ev = sub.add_parser("eval", help="greedy accuracy and mean reward of a model, as JSON")
-    ev.add_argument("--model", default="builtin", help="model directory, hub id or builtin")
+    ev.add_argument("--model", default="builtin",
+                    help="model directory, hub id, builtin, or a LoRA adapter directory")
     ev.add_argument("--task", default=None, help="'builtin': the built-in task's held-out split")
     ev.add_argument("--data", default=None, help="JSONL/Parquet prompts (plus reward columns)")
     ev.add_argument("--reward", default=None, help="module:function or file.py:function")
@@ -137,8 +138,9 @@ def _run_eval(args) -> int:
     from posttrain import fast
     from posttrain.builtin import task
     from posttrain.config import ConfigError, check_device
-    from posttrain.evaluate import evaluate_policy, load_reward_function
+    from posttrain.evaluate import evaluate_policy
     from posttrain.models import load_causal_lm, load_tokenizer
+    from posttrain.rewards import load_reward_function
     from posttrain.rollout import make_engine
 
     for key in ("n", "max_new_tokens", "batch_size"):

@@ -16,9 +16,12 @@ only a non-finite value is left out, as NaN; evaluation reports it).
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -71,9 +74,28 @@ class RewardModelReward:
         return out
 
 
+def load_reward_function(spec: str) -> Callable:
+    """``module:function`` or ``path/to/file.py:function`` → the callable."""
+    if ":" not in spec:
+        raise ValueError(f"reward {spec!r}: expected module:function or file.py:function")
+    target, func = spec.rsplit(":", 1)
+    if target.endswith(".py"):
+        path = Path(target)
+        if not path.exists():
+            raise FileNotFoundError(f"reward {spec!r}: no file {target}")
+        mod_spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(mod_spec)
+        mod_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(target)
+    fn = getattr(module, func, None)
+    if not callable(fn):
+        raise ValueError(f"reward {spec!r}: {target} has no function {func!r}")
+    return fn
+
+
 def load_reward(spec: str, device: str = "auto") -> RewardTerm:
     from posttrain.builtin import task
-    from posttrain.evaluate import load_reward_function
 
     spec = spec.strip()
     if spec == "builtin":

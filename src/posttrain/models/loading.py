@@ -1,6 +1,10 @@
 """Loading and saving Hugging Face models: causal LMs for policies, scalar-head models for
 rewards and critics, and the backbone of a (possibly wrapped) model.
 
+Wherever a model is asked for, a peft adapter directory (a LoRA run's ``final/`` or
+checkpoint) is one too: its base, named in ``adapter_config.json``, loaded with the adapter
+merged in (:func:`adapter_base`).
+
 ``trust_remote_code`` is off unless the caller turns it on. Weights are read and written as
 safetensors; everything is saved as a Hugging Face directory that plain ``transformers``
 loads. Nothing here is tuned for a machine: the speed machinery is ``posttrain.fast``.
@@ -18,6 +22,7 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     AutoTokenizer,
@@ -26,6 +31,7 @@ from transformers import (
 )
 
 BUILTIN = "builtin"
+ADAPTER_CONFIG = "adapter_config.json"
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -52,6 +58,9 @@ def resolve(name: str) -> str:
     if path.exists():
         if not path.is_dir():
             raise ModelError(f"model {name}: a file, not a model directory")
+        if is_adapter(path):
+            raise ModelError(f"model {name}: a LoRA adapter, not a whole model, and this "
+                             f"needs one: merge it first (posttrain merge {name} --output DIR)")
         if not (path / "config.json").is_file():
             raise ModelError(f"model {name}: no config.json, so not a Hugging Face model "
                              "directory (a run's model is its final/ or checkpoint-<step>/)")
@@ -138,8 +147,105 @@ def pick_device(device: str = "auto") -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
 
+class LoRAError(ValueError):
+    """LoRA asked for where it cannot run (peft missing, no such layers)."""
+
+
+def require_peft(purpose: str = "lora_rank"):
+    """The peft module, or one line saying how to install it (``purpose`` needs it)."""
+    try:
+        import peft
+    except ImportError:
+        raise LoRAError(f"{purpose} needs peft: pip install 'posttrain[lora]'") from None
+    return peft
+
+
+def is_adapter(name: str | Path) -> bool:
+    """Whether ``name`` is a peft adapter directory: ``adapter_config.json`` and no
+    ``config.json`` of its own."""
+    path = Path(name).expanduser()
+    return (str(name) != BUILTIN and (path / ADAPTER_CONFIG).is_file()
+            and not (path / "config.json").is_file())
+
+
+def adapter_base(name: str | Path) -> str:
+    """The base model of the adapter directory ``name``: ``base_model_name_or_path`` of its
+    ``adapter_config.json`` as written (posttrain writes the absolute path of the directory it
+    loaded, the built-in model's included; ``builtin`` is the built-in model), else that path
+    relative to the adapter's directory (an adapter moved together with its base), else a hub
+    id. The base may be an adapter directory itself (a LoRA run that started from one)."""
+    path = Path(name).expanduser()
+    try:
+        config = json.loads((path / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+        base = config.get("base_model_name_or_path")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+        raise ModelError(f"adapter {name}: {ADAPTER_CONFIG} cannot be read ({e})") from None
+    if not isinstance(base, str) or not base:
+        raise ModelError(f"adapter {name}: {ADAPTER_CONFIG} names no base model "
+                         "(base_model_name_or_path)")
+    given, beside = Path(base).expanduser(), path / base
+    if base == BUILTIN or given.exists():
+        found = base
+    elif not given.is_absolute() and beside.exists():
+        found = str(beside)
+    elif _looks_local(base):
+        raise ModelError(f"adapter {name}: its base model {base} ({ADAPTER_CONFIG}'s "
+                         "base_model_name_or_path) does not exist")
+    else:
+        return base  # a hub id: resolve() checks it
+    if Path(found).expanduser().resolve() == path.resolve():
+        raise ModelError(f"adapter {name}: {ADAPTER_CONFIG} names the adapter itself as its "
+                         "base model")
+    return found
+
+
+def _merged_adapter(name: str | Path, load_base):
+    """The model of adapter directory ``name``: its base (``load_base(adapter_base(name))``)
+    with the adapter merged into the weights, a plain model that computes base + adapter, so
+    the lean decoder, a frozen reference and a fresh adapter on top all see the adapter's
+    model. It is named by the adapter's directory, which an adapter trained on top of it
+    then records as its base."""
+    peft = require_peft(f"model {name} is a LoRA adapter; loading it")
+    base_name = adapter_base(name)
+    try:
+        base = load_base(base_name)
+    except (ModelError, FileNotFoundError) as e:
+        raise ModelError(f"adapter {name}: its base model: {e}") from e
+    model = _loaded("adapter", str(name), lambda: peft.PeftModel.from_pretrained(
+        base, str(name), is_trainable=False).merge_and_unload())
+    model.requires_grad_(True)  # as from_pretrained leaves it (peft froze the base)
+    model.name_or_path = model.config._name_or_path = str(Path(name).expanduser().resolve())
+    return model
+
+
+def check_causal_lm(name: str, config) -> None:
+    """Refuse, by its config, a model that is not a causal LM (a BERT encoder, a sequence
+    classifier, T5): ``AutoModelForCausalLM`` loads some of them anyway (BERT as a
+    ``BertLMHeadModel``, a classifier's backbone under a random head), which then fail or
+    sample noise far from the cause."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {}):
+        return  # remote code that declares a causal LM
+    known = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    archs = list(getattr(config, "architectures", None) or [])
+    if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and (
+            not archs or any(a in known or a.endswith("ForCausalLM") for a in archs)):
+        return
+    raise ModelError(f"model {name}: not a causal language model "
+                     f"({', '.join(archs) or config.model_type}); posttrain needs one that "
+                     "AutoModelForCausalLM loads (*ForCausalLM)")
+
+
 def load_tokenizer(name: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
-    path = resolve(name)
+    """``name``'s tokenizer; an adapter directory's own (posttrain saves it with the
+    adapter), else its base's."""
+    if is_adapter(name):
+        if not (Path(name).expanduser() / "tokenizer_config.json").is_file():
+            return load_tokenizer(adapter_base(name), trust_remote_code)
+        path = str(Path(name).expanduser())
+    else:
+        path = resolve(name)
     tok = _loaded("tokenizer of", path, lambda: AutoTokenizer.from_pretrained(
         path, trust_remote_code=trust_remote_code))
     if tok.pad_token is None:
@@ -150,7 +256,13 @@ def load_tokenizer(name: str, trust_remote_code: bool = False) -> PreTrainedToke
 
 def load_causal_lm(name: str, dtype: str = "float32", device: str = "auto",
                    trust_remote_code: bool = False) -> PreTrainedModel:
+    """The causal LM ``name`` (a directory, hub id, ``builtin`` or adapter directory)."""
+    if is_adapter(name):
+        return _merged_adapter(name, lambda base: load_causal_lm(base, dtype, device,
+                                                                 trust_remote_code))
     path = resolve(name)
+    check_causal_lm(name, _loaded("model", path, lambda: AutoConfig.from_pretrained(
+        path, trust_remote_code=trust_remote_code)))
     model = _loaded("model", path, lambda: AutoModelForCausalLM.from_pretrained(
         path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code))
     return model.to(pick_device(device))
@@ -158,7 +270,11 @@ def load_causal_lm(name: str, dtype: str = "float32", device: str = "auto",
 def load_reward_model(name: str, tokenizer: PreTrainedTokenizerBase, dtype: str = "float32",
                       device: str = "auto", trust_remote_code: bool = False) -> PreTrainedModel:
     """A sequence-classification model with one output: a ``*ForSequenceClassification``
-    checkpoint as it is, or a causal-LM checkpoint whose backbone gets a fresh scalar head."""
+    checkpoint as it is, or a causal-LM checkpoint whose backbone gets a fresh scalar head;
+    an adapter directory on either (a LoRA reward model's saves its head)."""
+    if is_adapter(name):
+        return _merged_adapter(name, lambda base: load_reward_model(
+            base, tokenizer, dtype, device, trust_remote_code))
     path = resolve(name)
     auto = AutoModelForSequenceClassification
     model = _loaded("reward model", path, lambda: auto.from_pretrained(
@@ -231,3 +347,9 @@ def active_parameters(model: torch.nn.Module) -> int:
     n, top_k = moe
     routed = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
     return total - routed + routed * top_k // n
+
+
+def for_device(table: dict[str, int], device: torch.device) -> int:
+    """A per-device-type threshold: ``device``'s entry, the CPU's for a device type the
+    table does not list."""
+    return table.get(device.type, table["cpu"])

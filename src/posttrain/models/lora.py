@@ -15,6 +15,12 @@ one of them), and the optimiser holds only A, B (and a reward model's scalar hea
   (:func:`merge_into`).
 - Checkpoints and ``final/`` hold the adapter in peft's format (``adapter_config.json``,
   ``adapter_model.safetensors``); :func:`merge` writes a plain Hugging Face model.
+- **An adapter directory is a model** wherever one is asked for (``eval --model``, every
+  trainer's ``--model``, a reference, a reward model): it loads as its base with the adapter
+  merged in (``posttrain.models.loading``). A LoRA run from one trains a fresh adapter of
+  rank ``lora_rank`` on that merged start, so the adapter-off reference is the start (not
+  the first adapter's base), and any rank may follow any other; its adapter names the
+  starting adapter's directory as its base, so it loads as base + both adapters.
 """
 
 from __future__ import annotations
@@ -25,19 +31,7 @@ from pathlib import Path
 
 import torch
 
-from posttrain.models.loading import decoder_layers
-
-
-class LoRAError(ValueError):
-    """LoRA asked for where it cannot run (peft missing, no such layers)."""
-
-
-def _peft():
-    try:
-        import peft
-    except ImportError:
-        raise LoRAError("lora_rank needs peft: pip install 'posttrain[lora]'") from None
-    return peft
+from posttrain.models.loading import LoRAError, decoder_layers, require_peft
 
 
 def wanted(cfg) -> bool:
@@ -67,7 +61,7 @@ def linear_targets(model, spec: str = "all-linear") -> list[str]:
 def add(model, cfg, heads: tuple[str, ...] = ()):
     """``model`` with fresh adapters (B = 0, so it computes what the base does); ``heads``
     (a reward model's score) stay fully trainable and are saved with the adapter."""
-    peft = _peft()
+    peft = require_peft()
     rank = cfg.lora_rank
     config = peft.LoraConfig(r=rank, lora_alpha=cfg.lora_alpha or 2 * rank,
                              lora_dropout=cfg.lora_dropout,
@@ -78,7 +72,7 @@ def add(model, cfg, heads: tuple[str, ...] = ()):
 
 def load(model, path: str | Path, trainable: bool = True):
     """The base ``model`` with the adapter saved at ``path`` (a checkpoint or ``final/``)."""
-    peft = _peft()
+    peft = require_peft()
     return peft.PeftModel.from_pretrained(model, str(path), is_trainable=trainable)
 
 
@@ -93,17 +87,19 @@ def load_4bit(name: str, device: torch.device, trust_remote_code: bool = False):
     except ImportError:
         raise LoRAError("load_in_4bit needs bitsandbytes: pip install 'posttrain[qlora]'") \
             from None
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
 
-    from posttrain.models.loading import resolve
+    from posttrain.models.loading import check_causal_lm, resolve
 
+    path = resolve(name)
+    check_causal_lm(name, AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code))
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                bnb_4bit_compute_dtype=torch.bfloat16,
                                bnb_4bit_use_double_quant=True)
     model = AutoModelForCausalLM.from_pretrained(
-        resolve(name), quantization_config=quant, dtype=torch.bfloat16,
+        path, quantization_config=quant, dtype=torch.bfloat16,
         device_map={"": device.index or 0}, trust_remote_code=trust_remote_code)
-    return _peft().prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    return require_peft().prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
 
 
 def adapter_off(model):
@@ -179,17 +175,12 @@ def merge_into(plain, adapted) -> None:
 def merge(adapter_dir: str | Path, output: str | Path, dtype: str = "float32",
           trust_remote_code: bool = False) -> Path:
     """A plain Hugging Face model at ``output``: the base named in the adapter's config with
-    the adapter of ``adapter_dir`` merged in (``posttrain merge``)."""
-    import json
-
+    the adapter of ``adapter_dir`` merged in (``posttrain merge``), and the adapter's
+    tokenizer (else its base's)."""
     from posttrain.models.loading import load_causal_lm, load_tokenizer, save_model
 
-    config = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
-    base_name = config["base_model_name_or_path"]
-    base = load_causal_lm(base_name, dtype, "cpu", trust_remote_code)
-    merged = load(base, adapter_dir, trainable=False).merge_and_unload()
-    tokenizer = load_tokenizer(base_name, trust_remote_code)
-    save_model(merged, tokenizer, output)
+    merged = load_causal_lm(str(adapter_dir), dtype, "cpu", trust_remote_code)
+    save_model(merged, load_tokenizer(str(adapter_dir), trust_remote_code), output)
     return Path(output)
 
 
@@ -203,5 +194,6 @@ __all__ = [
     "merge",
     "merge_into",
     "plain_copy",
+    "require_peft",
     "wanted",
 ]

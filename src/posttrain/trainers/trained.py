@@ -33,7 +33,14 @@ def load_policy(cfg, name: str, trained: bool = False):
 def load_trained(cfg, resume: Path | None, load, heads: tuple[str, ...] = ()):
     """The model the run trains. Full fine-tuning: ``load(name)`` of the checkpoint (when
     resuming) or of ``cfg.model``. With ``lora_rank``: the base ``cfg.model`` (4-bit with
-    ``load_in_4bit``) with fresh adapters, or the checkpoint's; ``heads`` stay trainable."""
+    ``load_in_4bit``) with fresh adapters, or the checkpoint's; ``heads`` stay trainable.
+
+    A ``cfg.model`` that is an adapter directory loads merged into its base (``load`` does
+    it), so the run starts from exactly base + adapter either way: without ``lora_rank`` it
+    trains that merged model in full; with it, a fresh rank-``lora_rank`` adapter on top, so
+    the frozen reference (the policy with its adapter off) is that start, as it is for
+    full fine-tuning, and not the first adapter's base. QLoRA cannot start from one (its
+    4-bit base would round the merged weights): that is one line asking to merge it first."""
     from posttrain.models import lora, pick_device
 
     if not lora.wanted(cfg):
