@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from posttrain.fast.replay import track_policy_version
+from posttrain.fast.cache import track_policy_version
 
 
 def rl_step(trainer, opt=None, critic_opt=None) -> dict:

@@ -235,3 +235,27 @@ def test_a_runs_own_config_yaml_loads_again(tmp_path, command, args):
     cfg = config.load(cls, None, args)
     config.dump(cfg, tmp_path / "config.yaml")
     assert config.load(cls, str(tmp_path / "config.yaml")) == cfg
+
+
+def test_every_field_of_the_algorithm_record_is_a_key():
+    """The record's fields are keys of the same name (dual_clip and the loss KL estimator
+    included), read into the algorithm and validated by it in one line."""
+    from posttrain import config
+    from posttrain.config.rl import ALGORITHM_KEYS, PPOConfig, RLConfig
+    from posttrain.core.algorithms import Algorithm
+
+    fields = {f.name for f in dataclasses.fields(Algorithm)} - {"name", "critic"}
+    assert set(ALGORITHM_KEYS) == fields
+    assert fields <= {f.name for f in dataclasses.fields(PPOConfig)}
+    cfg = config.load(RLConfig, None, ["--algo", "grpo", "--dual_clip", "3", "--kl_estimator",
+                                       "k1", "--aggregation", "token_mean", "--policy_loss",
+                                       "gspo_token", "--dynamic_sampling", "true"])
+    cfg.validate()
+    algo = cfg.algorithm()
+    assert (algo.dual_clip, algo.kl_estimator, algo.aggregation, algo.policy_loss,
+            algo.dynamic_sampling) == (3.0, "k1", "token_mean", "gspo_token", True)
+    for bad, needle in ((["--dual_clip", "1"], "dual_clip must be > 1"),
+                        (["--kl_estimator", "k9"], "unknown KL estimator"),
+                        (["--advantage", "gae"], "GAE needs a critic")):
+        with pytest.raises(ConfigError, match=needle):
+            config.load(RLConfig, None, bad).validate()

@@ -239,7 +239,7 @@ def test_the_fused_head_equals_the_unfused_one(family_dir, monkeypatch):
                         lambda *a, **kw: calls.append(1) or fused(*a, chunk_rows=3, **kw))
 
     def run(threshold):
-        monkeypatch.setattr(lpmod, "FUSED_HEAD_MIN_ELEMENTS", threshold)
+        monkeypatch.setattr(lpmod, "FUSED_HEAD_MIN_ELEMENTS", {"cpu": threshold})
         model.zero_grad(set_to_none=True)
         lp = completion_logprobs(model, full["input_ids"], full["attention_mask"],
                                  full["loss_mask"], temperature=0.7)
@@ -266,7 +266,7 @@ def test_the_fused_head_with_tied_embeddings(monkeypatch):
     full = pad_sequences(PROMPTS * 2, COMPLETIONS, 0)
 
     def run(threshold):
-        monkeypatch.setattr(lpmod, "FUSED_HEAD_MIN_ELEMENTS", threshold)
+        monkeypatch.setattr(lpmod, "FUSED_HEAD_MIN_ELEMENTS", {"cpu": threshold})
         model.zero_grad(set_to_none=True)
         completion_logprobs(model, full["input_ids"], full["attention_mask"],
                             full["loss_mask"]).sum().backward()

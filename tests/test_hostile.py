@@ -247,6 +247,7 @@ def test_on_nonfinite_skip_leaves_the_update_out(tiny_model_dir, tmp_path, rl_da
     """With skip, a step whose gradient is NaN changes nothing and is counted."""
     from posttrain.config import SFTConfig
     from posttrain.trainers import loop
+    from posttrain.trainers.loop.guards import NonFiniteError
 
     cfg = SFTConfig(model=tiny_model_dir, output_dir=str(tmp_path), device="cpu",
                     on_nonfinite="skip")
@@ -259,7 +260,7 @@ def test_on_nonfinite_skip_leaves_the_update_out(tiny_model_dir, tmp_path, rl_da
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     raising = loop.Optim("model", model, 1e-2, 0.0, 1.0, "raise")
     model(torch.tensor([[math.inf, 1.0]])).sum().backward()
-    with pytest.raises(loop.NonFiniteError, match="gradient norm of the model"):
+    with pytest.raises(NonFiniteError, match="gradient norm of the model"):
         raising.step()
 
 
@@ -314,7 +315,7 @@ def test_unfinished_writes_are_finished_or_removed_and_nothing_else(tmp_path):
     """A complete checkpoint-4.tmp whose checkpoint-4 is missing (killed between the two
     renames) becomes checkpoint-4; a half-written one goes; a user's own *.tmp stays."""
     from posttrain.config import SFTConfig
-    from posttrain.trainers import checkpoint as ckpt
+    from posttrain.trainers.loop import checkpoint as ckpt
 
     cfg = SFTConfig(output_dir=str(tmp_path))
     cfg.validate()

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from posttrain.trainers import checkpoint as ckpt
+from posttrain.trainers.loop import checkpoint as ckpt
 
 # the same tiny-run settings for a subprocess and an in-process run of each command
 RUNS = {
@@ -61,6 +61,7 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.kill
 @pytest.mark.parametrize("command", sorted(RUNS))
 def test_sigkill_after_a_checkpoint_then_resume_is_bit_identical(command, tiny_model_dir,
                                                                  tmp_path):
@@ -136,7 +137,8 @@ def test_checkpoints_are_written_atomically(tmp_path):
 
 
 def test_window_averages_each_value_over_the_steps_that_reported_it():
-    from posttrain.trainers.loop import StepResult, Window
+    from posttrain.trainers.loop.job import StepResult
+    from posttrain.trainers.loop.metrics import Window
 
     w = Window()
     w.add(StepResult(values={"train/loss": 2.0, "reward/mean": 1.0}), 0.5)
@@ -150,7 +152,7 @@ def test_window_averages_each_value_over_the_steps_that_reported_it():
 
 def test_a_checkpoint_of_an_older_release_is_refused_by_name(tmp_path):
     from posttrain.config import SFTConfig
-    from posttrain.trainers.rundir import resolve_resume
+    from posttrain.trainers.loop.rundir import resolve_resume
 
     old = tmp_path / "checkpoint-4"
     old.mkdir()
@@ -162,7 +164,7 @@ def test_a_checkpoint_of_an_older_release_is_refused_by_name(tmp_path):
 
 KILLER = """
 import os, signal, sys
-from posttrain.trainers import checkpoint as ck
+from posttrain.trainers.loop import checkpoint as ck
 point, args = sys.argv[1], sys.argv[2:]
 
 def dies(orig):
@@ -185,7 +187,7 @@ if point == "tokenizer":   # the model's weights and config are written, its tok
 elif point == "optimizer":   # the model files are written, the optimiser's are not
     ck.save_optimizer = dies(ck.save_optimizer)
 elif point == "state":     # the optimiser's too, not the RNG and trainer state
-    import posttrain.trainers.loop as lp
+    import posttrain.trainers.loop.state as lp
     real_save_ckpt = lp.save_checkpoint
 
     def save_checkpoint(path, *a, **k):
@@ -204,6 +206,7 @@ sys.exit(main(args))
 """
 
 
+@pytest.mark.kill
 @pytest.mark.parametrize("point", ["tokenizer", "optimizer", "state", "manifest", "rename"])
 def test_sigkill_during_a_checkpoint_write_resumes_from_a_complete_one(point, tiny_model_dir,
                                                                        tmp_path):
@@ -228,6 +231,7 @@ def test_sigkill_during_a_checkpoint_write_resumes_from_a_complete_one(point, ti
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.kill
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_sigint_and_sigterm_checkpoint_and_print_the_resume_command(sig, code, tiny_model_dir,
                                                                     tmp_path):

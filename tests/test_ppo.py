@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from posttrain.core import RunningMoments
-from posttrain.trainers.checkpoint import read_optimizer, save_optimizer
+from posttrain.trainers.loop.checkpoint import read_optimizer, save_optimizer
 from posttrain.trainers.online import PPOConfig, RLTrainer, TokenBatch, run_rl
 from rl_steps import rl_step
 

@@ -1,5 +1,6 @@
-"""Reusing the sampler's forward in the update (``reuse_rollout_forward``): the linear-layer
-outputs the lean decoder saved give the same log-probs and gradients as recomputing them,
+"""Reusing the sampler's forward in the update (``replay_projections``,
+``reuse_sampler_head``): the linear-layer outputs the lean decoder saved give the same
+log-probs and gradients as recomputing them,
 for the whole batch (a view of the saved outputs) and for a shuffled subset (a copy), and
 the trainer stops using them once the policy has taken an optimizer step."""
 
@@ -8,7 +9,7 @@ import json
 import pytest
 import torch
 
-from posttrain.fast.replay import can_replay
+from posttrain.fast.eligibility import can_replay
 from posttrain.models import load_causal_lm, load_tokenizer
 from posttrain.rollout import SamplingParams, generate
 from posttrain.trainers.online import RLConfig, RLTrainer, TokenBatch
@@ -41,7 +42,7 @@ def _model(tiny_model_dir, arch):
 
 def _grads(model, tokens, rows, weights, replay):
     model.zero_grad()
-    lp = tokens.logprobs(model, rows, replay=replay)
+    lp = tokens.logprobs(model, rows, reuse=replay)
     (lp * weights).sum().backward()
     return lp.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
 
@@ -60,16 +61,16 @@ def test_replayed_logprobs_and_gradients_equal_recomputed(tiny_model_dir, arch, 
                         lambda self, *a, **kw: new_empty(self, *a, **kw).fill_(float("nan")))
     r = generate(model, tok, PROMPTS, n=8, params=SamplingParams(temperature=1.0,
                                                                  max_new_tokens=12),
-                 generator=torch.Generator().manual_seed(0), engine="lean", capture=True,
-                 head_stats=True)
+                 generator=torch.Generator().manual_seed(0), engine="lean",
+                 extras=frozenset({"projections", "head_stats"}))
     monkeypatch.undo()
     if fused:
         from posttrain.models import logprobs as model_logprobs
 
-        monkeypatch.setattr(model_logprobs, "FUSED_HEAD_MIN_ELEMENTS", 0)
-    assert len(set(r.lengths.tolist())) >= 4 and r.activations is not None
+        monkeypatch.setattr(model_logprobs, "FUSED_HEAD_MIN_ELEMENTS", {"cpu": 0})
+    assert len(set(r.lengths.tolist())) >= 4 and r.cache.activations is not None
     # the sampler's log-sum-exp and entropy are those of the model's own logits
-    lse, ent = r.head.stats
+    lse, ent = r.cache.head
     with torch.no_grad():
         ids = [torch.tensor(p + c[:n].tolist()) for p, c, n in
                zip(r.prompt_ids, r.completion_ids, r.lengths.tolist(), strict=True)]
@@ -84,7 +85,7 @@ def test_replayed_logprobs_and_gradients_equal_recomputed(tiny_model_dir, arch, 
     # a sample's last token and its padding were never fed: zero there (the values written
     # elsewhere are checked below, through the log-probs and gradients they give)
     unfed = torch.arange(r.completion_ids.shape[1])[None] >= r.lengths[:, None] - 1
-    for saved in r.activations.layers:
+    for saved in r.cache.activations.layers:
         for v in saved.values():
             assert v.shape[:2] == unfed.shape and torch.isfinite(v).all()
             assert (v[unfed] == 0).all()
@@ -115,12 +116,12 @@ def test_replayed_logprobs_and_gradients_equal_recomputed(tiny_model_dir, arch, 
 
     # the check can fail: the saved outputs of two samples swapped give other log-probs
     rows = torch.arange(len(tokens))
-    for saved in tokens.activations.layers:
+    for saved in tokens.cache.activations.layers:
         for v in saved.values():
             v[[0, 1]] = v[[1, 0]]
     with torch.no_grad():
-        swapped = tokens.logprobs(model, rows, replay=True)
-        full = tokens.logprobs(model, rows, replay=False)
+        swapped = tokens.logprobs(model, rows, reuse=True)
+        full = tokens.logprobs(model, rows, reuse=False)
     assert (swapped - full).abs().max() > 1e-2
 
 
@@ -142,7 +143,7 @@ def _adapted(model, rank: int = 4, dropout: float = 0.0, targets: str = "all-lin
 
 def _adapter_grads(model, tokens, rows, weights, replay):
     model.zero_grad()
-    lp = tokens.logprobs(model, rows, replay=replay)
+    lp = tokens.logprobs(model, rows, reuse=replay)
     (lp * weights).sum().backward()
     return lp.detach(), torch.cat([p.grad.flatten() for p in model.parameters()
                                    if p.requires_grad])
@@ -165,7 +166,8 @@ def test_lora_replay_gives_the_adapters_gradients(tiny_model_dir, arch, targets)
     assert can_replay(model)
     r = generate(model, tok, PROMPTS, n=8, params=SamplingParams(temperature=1.0,
                                                                    max_new_tokens=12),
-                 generator=torch.Generator().manual_seed(0), engine="lean", capture=True)
+                 generator=torch.Generator().manual_seed(0), engine="lean",
+                 extras=frozenset({"projections"}))
     tokens = TokenBatch(r, tok.pad_token_id, "cpu", share_prompt=True)
     tokens.packed = False
     mask = tokens.completion_mask.bool()
@@ -221,7 +223,8 @@ def _rl_trainer(tiny_model_dir, out, reward, data, reuse, fn="by_len", **kw):
                    group_size=4, max_new_tokens=6, builtin_eval_size=0, eval_every=0,
                    device="cpu", tensorboard=False, temperature=1.5, share_prompt=True,
                    data=str(data), reward=f"{reward}:{fn}", lr=1.0,
-                   reuse_rollout_forward=reuse, **kw)
+                   replay_projections=reuse,
+                   reuse_sampler_head=reuse, **kw)
     cfg.validate()
     return RLTrainer(cfg)
 
@@ -253,10 +256,10 @@ def test_trainer_step_same_with_and_without_reuse(tiny_model_dir, tmp_path, kw, 
     monkeypatch.setattr(batch, "packing_pays", lambda *a, **k: packed)
     sampled = []
     if layout.startswith("fused"):
-        monkeypatch.setattr(model_logprobs, "FUSED_HEAD_MIN_ELEMENTS", 0)
+        monkeypatch.setattr(model_logprobs, "FUSED_HEAD_MIN_ELEMENTS", {"cpu": 0})
         fused = model_logprobs.head_token_logprobs
         monkeypatch.setattr(model_logprobs, "head_token_logprobs", lambda *a, **k: (
-            sampled.append(k.get("sampled") is not None) or fused(*a, **k)))
+            sampled.append(k.get("known") is not None) or fused(*a, **k)))
     replays = []
     replay_map = DecodeActivations.replay_map
     monkeypatch.setattr(DecodeActivations, "replay_map",
@@ -266,7 +269,7 @@ def test_trainer_step_same_with_and_without_reuse(tiny_model_dir, tmp_path, kw, 
     for reuse in (True, False):
         torch.manual_seed(0)
         trainer = _rl_trainer(tiny_model_dir, tmp_path / str(reuse), reward, data, reuse, **kw)
-        assert trainer.reuse_rollout_forward is reuse
+        assert trainer.reuse.projections is reuse
         before = [p.detach().clone() for p in trainer.policy.parameters()]
         # plain SGD: the update is proportional to the gradient (Adam's first steps are
         # about its sign, which float rounding can flip where a gradient is ~0)
@@ -292,13 +295,13 @@ def test_head_statistics_only_where_the_update_computes_what_sampling_did(tiny_m
 
     reward, data = _task_files(tmp_path)
     assert not _rl_trainer(tiny_model_dir, tmp_path / "small", reward, data,
-                           True).experience.head_stats  # this head never fuses
-    monkeypatch.setattr(model_logprobs, "FUSED_HEAD_MIN_ELEMENTS", 0)
-    assert _rl_trainer(tiny_model_dir, tmp_path / "a", reward, data, True).experience.head_stats
+                           True).reuse.head  # this head never fuses
+    monkeypatch.setattr(model_logprobs, "FUSED_HEAD_MIN_ELEMENTS", {"cpu": 0})
+    assert _rl_trainer(tiny_model_dir, tmp_path / "a", reward, data, True).reuse.head
     assert not _rl_trainer(tiny_model_dir, tmp_path / "b", reward, data, True, lora_rank=4,
-                           lora_dropout=0.1).experience.head_stats
+                           lora_dropout=0.1).reuse.head
     assert not _rl_trainer(tiny_model_dir, tmp_path / "c", reward, data,
-                           False).experience.head_stats
+                           False).reuse.head
 
 
 def test_packed_batches_replay_nothing_and_stop_the_capture(tiny_model_dir, tmp_path,
@@ -315,8 +318,8 @@ def test_packed_batches_replay_nothing_and_stop_the_capture(tiny_model_dir, tmp_
     captures = []
     generate_ = LeanEngine.generate
     monkeypatch.setattr(LeanEngine, "generate",
-                        lambda *a, capture, **k: captures.append(capture) or
-                        generate_(*a, capture=capture, **k))
+                        lambda *a, extras, **k: captures.append("projections" in extras) or
+                        generate_(*a, extras=extras, **k))
     moved = []
     for reuse in (True, False):
         torch.manual_seed(0)
@@ -389,7 +392,7 @@ def test_replay_refuses_activations_once_the_policy_has_stepped(tiny_model_dir, 
     """The loop reordered: an optimiser step between sampling and the pass that would replay.
     The saved activations carry the policy version they were captured at, and the pass
     refuses them instead of computing a gradient for weights that no longer exist."""
-    from posttrain.fast.replay import StaleActivations, policy_version
+    from posttrain.fast.cache import StaleCache, policy_version
     from posttrain.trainers.online import batch
 
     monkeypatch.setattr(batch, "packing_pays", lambda *a, **k: False)
@@ -397,17 +400,17 @@ def test_replay_refuses_activations_once_the_policy_has_stepped(tiny_model_dir, 
     trainer = _rl_trainer(tiny_model_dir, tmp_path / "run", reward, data, True)
     exp = trainer.experience.collect(1)
     tokens = TokenBatch(exp.rollout, trainer.tok.pad_token_id, "cpu", share_prompt=True)
-    assert tokens.activations is not None
+    assert tokens.cache.activations is not None
     rows = torch.arange(len(tokens))
     with torch.no_grad():  # the policy unchanged: replay is taken
-        tokens.logprobs(trainer.policy, rows, replay=True)
+        tokens.logprobs(trainer.policy, rows, reuse=True)
     v0 = policy_version(trainer.policy)
     lp = tokens.logprobs(trainer.policy, rows)  # recomputed: fine at any version
     (-lp.sum()).backward()
     trainer.optimizers[0].step()
     assert policy_version(trainer.policy) == v0 + 1
-    with pytest.raises(StaleActivations, match="changed since sampling"):
-        tokens.logprobs(trainer.policy, rows, replay=True)
+    with pytest.raises(StaleCache, match="changed since sampling"):
+        tokens.logprobs(trainer.policy, rows, reuse=True)
 
 
 def test_lora_replay_runs_on_a_bfloat16_base(tiny_model_dir):
@@ -420,8 +423,9 @@ def test_lora_replay_runs_on_a_bfloat16_base(tiny_model_dir):
     assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {torch.float32}
     r = generate(model, tok, PROMPTS, n=4, params=SamplingParams(temperature=1.0,
                                                                    max_new_tokens=8),
-                 generator=torch.Generator().manual_seed(0), engine="lean", capture=True)
-    assert r.activations is not None
+                 generator=torch.Generator().manual_seed(0), engine="lean",
+                 extras=frozenset({"projections"}))
+    assert r.cache.activations is not None
     tokens = TokenBatch(r, tok.pad_token_id, "cpu", share_prompt=True)
     tokens.packed = False
     mask = tokens.completion_mask.bool()

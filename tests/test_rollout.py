@@ -618,7 +618,8 @@ def test_engines_are_chosen_by_backend_and_fast(tiny_model_dir):
         engine = make_engine(backend, model, tok)
         engine.update_weights(model)
         texts.append(engine.generate(["12+3=", "4+4="], 1, greedy).texts)
-        captured = engine.generate(["1+1="], 2, greedy, capture=True).activations
-        assert (captured is not None) is (backend == "lean") is engine.can_capture
+        cache = engine.generate(["1+1="], 2, greedy, extras=frozenset({"projections"})).cache
+        captured = cache is not None and cache.activations is not None
+        assert captured is (backend == "lean") is ("projections" in engine.extras)
         engine.close()
     assert texts[0] == texts[1]

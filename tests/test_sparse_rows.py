@@ -10,8 +10,8 @@ import torch
 
 from bounds import unit_roundoff
 from posttrain.fast import sparse_rows
-from posttrain.trainers import checkpoint as ckpt
 from posttrain.trainers.loop import Optim
+from posttrain.trainers.loop import checkpoint as ckpt
 
 V, H, STEPS = 40, 6, 10
 BETAS = (0.9, 0.999)
@@ -163,7 +163,7 @@ def test_the_optimiser_with_row_gradients_clips_and_steps_as_the_dense_one(max_g
 
 
 def test_a_nonfinite_row_gradient_stops_the_step():
-    from posttrain.trainers.guards import NonFiniteError
+    from posttrain.trainers.loop.guards import NonFiniteError
 
     model = _tiny(tied=False)
     opt = Optim("model", model, 1e-2, 0.0, 1.0, sparse_embedding=True)

@@ -336,3 +336,67 @@ def test_record_says_what_the_loop_needs():
     assert ALGORITHMS["grpo"].loss_constant(32) == 1.0
     assert algorithm_names(critic=True) == ["ppo"]
     assert algorithm_names() == list(ALGORITHMS)
+
+
+@pytest.mark.parametrize("loss_name", sorted(__import__(
+    "posttrain.core.algorithms", fromlist=["POLICY_LOSSES"]).POLICY_LOSSES))
+def test_declared_zero_advantage_zero_gradient_holds(loss_name):
+    """A loss that declares zero advantage → zero gradient gives exactly zero gradient for
+    samples whose advantage is 0 on every token, while the other samples' gradient is not
+    zero (ratios away from 1, some outside the clip range)."""
+    from posttrain.core.algorithms import POLICY_LOSSES
+
+    loss = POLICY_LOSSES[loss_name]
+    algo = get_algorithm("gspo" if loss_name.startswith("gspo") else "dapo",
+                         policy_loss=loss_name)
+    gen = torch.Generator().manual_seed(3)
+    old = -torch.rand(4, 6, generator=gen, dtype=torch.float64) * 3
+    lp = (old + 0.3 * torch.randn(4, 6, generator=gen, dtype=torch.float64)).requires_grad_()
+    mask = torch.ones(4, 6, dtype=torch.float64)
+    adv = torch.tensor([0.0, 1.5, 0.0, -0.7], dtype=torch.float64)
+    tok, _ = policy_objective(algo, lp, old, adv, mask)
+    aggregate_loss(tok, mask, algo.aggregation, step_normalizer(mask, algo.aggregation)
+                   ).backward()
+    assert loss.zero_advantage_zero_gradient
+    assert torch.equal(lp.grad[[0, 2]], torch.zeros(2, 6, dtype=torch.float64))
+    assert lp.grad[[1, 3]].abs().sum() > 0 or loss_name.startswith("gspo")
+
+
+def test_a_loss_without_the_guarantee_turns_skipping_off():
+    """The record reads zero_advantage_zero_gradient off the loss's declaration: a loss that
+    does not declare it (an entropy bonus, say) is never skipped, whatever β."""
+    from posttrain.core import algorithms as A
+
+    bonus = A.PolicyLoss(lambda algo, x: A.POLICY_LOSSES["ppo_clip"].fn(algo, x),
+                         zero_advantage_zero_gradient=False)
+    saved = dict(A.POLICY_LOSSES)
+    try:
+        A.POLICY_LOSSES["with_bonus"] = bonus
+        algo = get_algorithm("dapo", policy_loss="with_bonus")
+        assert algo.kl_coef == 0 and not algo.zero_advantage_zero_gradient
+        assert get_algorithm("dapo").zero_advantage_zero_gradient
+    finally:
+        A.POLICY_LOSSES.clear()
+        A.POLICY_LOSSES.update(saved)
+
+
+def test_declared_inputs_are_checked_with_one_clear_error():
+    """An input an algorithm declares and that is None is a ValueError naming it; inputs it
+    does not declare may be None."""
+    mask = torch.ones(2, 3)
+    scores, groups = torch.tensor([1.0, 0.0]), torch.tensor([0, 0])
+    with pytest.raises(ValueError, match="needs values"):
+        compute_advantages(get_algorithm("ppo", reward_kl_coef=0.0), scores, groups, mask)
+    assert get_algorithm("ppo").advantage_inputs >= {"values", "old_logprobs",
+                                                     "ref_logprobs"}
+    assert "values" not in get_algorithm("grpo").advantage_inputs
+    adv, _ = compute_advantages(get_algorithm("grpo"), scores, groups, mask)
+    assert adv.shape == (2, 3)
+    assert get_algorithm("grpo").loss_inputs >= {"ref_logprobs"}
+    assert "ref_logprobs" not in get_algorithm("dapo").loss_inputs
+
+
+def test_dual_clip_is_validated_by_the_record():
+    with pytest.raises(ValueError, match="dual_clip must be > 1"):
+        get_algorithm("grpo", dual_clip=1.0)
+    assert get_algorithm("grpo", dual_clip=3.0).dual_clip == 3.0

@@ -94,7 +94,7 @@ def test_with_the_samplers_statistics_the_values_shift_by_their_error_and_no_gra
             logits = targs[2] * torch.tanh(logits / targs[2])
         lse = torch.logsumexp(logits / targs[3], -1)
     sampled = torch.stack([lse + off, ref_ent.detach()]).float()
-    lp, ent = head_token_logprobs(h, w, labels, b, with_entropy=True, sampled=sampled,
+    lp, ent = head_token_logprobs(h, w, labels, b, with_entropy=True, known=sampled,
                                   **transform)
     upstream = torch.randn(lp.shape, generator=torch.Generator().manual_seed(1))
     (lp * upstream).sum().backward()

@@ -90,14 +90,14 @@ class RunConfig:
     device: str = "auto"
     """cpu, cuda, cuda:N, or auto."""
     fast: bool = True
-    """The speed machinery of posttrain.fast (the lean Llama-family decoder and its replayed
-    projections, eager attention for short CPU inputs, keep_freed_memory); false = the plain
-    model-agnostic path everywhere (compile stays its own opt-in). Results agree to float
-    rounding."""
+    """The speed machinery of posttrain.fast (the lean Llama-family decoder and its sampler
+    cache, eager attention for short CPU inputs, keep_freed_memory, the embedding trained
+    by rows); false = the plain model-agnostic path everywhere (compile stays its own
+    opt-in). Results agree to float rounding."""
     keep_freed_memory: bool = True
     """Linux/glibc: keep memory the process frees for reuse instead of returning it to the
-    kernel, so each step's activations do not page-fault afresh (13% off a 25M-parameter
-    GRPO update on 2 CPU cores; results unchanged; resident memory stays at its peak).
+    kernel, so each step's activations do not page-fault afresh (results unchanged;
+    resident memory stays at its peak; docs/benchmarks.md has what it saves).
     Process-wide; false (or fast=false) leaves malloc's defaults alone."""
     sparse_embedding_grad: bool = True
     """(With fast) the input embedding's gradient holds only the rows of the step's tokens,
@@ -108,9 +108,8 @@ class RunConfig:
     compile: bool = False
     """torch.compile the RMSNorm and MLP blocks of the trained model, its reference and
     critic (dynamic shapes; fuses their elementwise work, forward and backward). They compile
-    once, on first use (about 10 s on 2 CPU cores); on one H200 it cut a 25M fp32 GRPO step by
-    29%, on 2 CPU cores it no longer pays (docs/benchmarks.md); needs a C++ compiler (CPU)
-    or triton (CUDA)."""
+    once, on first use (seconds); it pays where kernel launches dominate (a GPU), not on a
+    few CPU cores (docs/benchmarks.md); needs a C++ compiler (CPU) or triton (CUDA)."""
     lora_rank: int = 0
     """LoRA through peft: train rank-R adapters on the decoder blocks' linear layers instead
     of every weight; 0 = full fine-tuning. The reference is the policy with its adapter off;

@@ -5,12 +5,16 @@ a critic are refused for an algorithm without one."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import ClassVar
 
 from posttrain.config import ConfigError, check
 from posttrain.config.base import RunConfig
 from posttrain.core.algorithms import Algorithm, algorithm_names, get_algorithm
+
+ALGORITHM_KEYS = tuple(f.name for f in fields(Algorithm) if f.name not in ("name", "critic"))
+"""The record's fields a config key of the same name overrides (``critic`` decides the
+command, so it is not one)."""
 
 
 @dataclass
@@ -59,8 +63,25 @@ class RLConfig(RunConfig):
     top_k: int = 0
     stop: str | None = None
     """Stop strings, comma-separated (eos always stops)."""
+    advantage: str | None = None
+    """Override the algorithm's advantage estimator: group, group_no_std, rloo,
+    reinforce_pp, reinforce_pp_baseline (gae needs a critic: posttrain ppo)."""
+    policy_loss: str | None = None
+    """Override the algorithm's policy loss: ppo_clip, gspo, gspo_token."""
+    aggregation: str | None = None
+    """Override how per-token losses become the step's loss: token_mean, seq_mean,
+    seq_sum_const, ..."""
     kl_coef: float | None = None
     """Override the algorithm's β (KL to the reference in the loss)."""
+    kl_estimator: str | None = None
+    """Override the estimator of the loss KL term: k3 (default), k1 or k2."""
+    dual_clip: float | None = None
+    """Dual-clip constant c > 1 (ppo_clip): bounds a negative-advantage token's loss at −c·A;
+    none = off."""
+    dynamic_sampling: bool | None = None
+    """Override whether groups whose rewards are all equal are dropped and more sampled."""
+    overlong_shaping: bool | None = None
+    """Override whether DAPO's soft overlong penalty is added to the reward."""
     reward_kl_coef: float | None = None
     """Override k, the coefficient of the per-token KL penalty in the reward (ppo,
     reinforce_pp*); with kl_target set, its starting value."""
@@ -90,20 +111,16 @@ class RLConfig(RunConfig):
     """The rollout engine: hf (the model's own forward with a KV cache, any model), lean
     (posttrain.fast's decoder for plain Llama-family models), auto = lean where it applies
     and fast is on, else hf. Evaluation decodes through the same engine."""
-    reuse_rollout_forward: bool = True
-    """Keep the linear layers' outputs the sampler computed, and let the policy's passes that
-    come before its first optimizer step (the update of a one-update step, the old
-    log-probs) take them instead of running those matmuls again: 2·N FLOPs per completion
-    token saved. Applies with fast, share_prompt where the batch's passes take two calls (prompts,
-    then completions over their KV cache; a batch of short rows packed into one call
-    replays nothing, and the next rollouts are not captured while batches pack), the lean
-    sampler (Llama-family), no dropout and no compile; false = always recompute. Also, packed
-    or not, any in-process sampler, unsharded: the sampler's log-sum-exp and entropy at each
-    token stand in for the forward of a fused head (large vocabularies, float32), one of its
-    four vocabulary-sized matmuls."""
-    skip_zero_advantage: bool = True
-    """Leave samples with zero advantage and no KL term out of the forward/backward pass
-    (the gradient is the same; false only to measure what skipping saves)."""
+    replay_projections: bool = True
+    """With fast: the lean sampler keeps each projection's output, and the policy's passes
+    before its first optimizer step (the update of a one-update step, the old log-probs)
+    take them instead of running those matmuls again (2·N FLOPs per completion token).
+    Applies where the batch's passes take two calls (prompts, then completions over their
+    KV cache), with the lean engine, no dropout, no compile, unsharded; false = recompute."""
+    reuse_sampler_head: bool = True
+    """With fast: the sampler's log-sum-exp and entropy at each token stand in for the
+    forward of a fused head (large vocabularies, float32) in those passes, one of its four
+    vocabulary-sized matmuls; unsharded, no dropout; false = recompute."""
     eval_every: int = 20
     warmup_ratio: float = 0.0
     lr_schedule: str = "constant"
@@ -160,12 +177,10 @@ class RLConfig(RunConfig):
             self.refuse(("kl_horizon",), "a fixed KL coefficient (kl_horizon needs kl_target)")
 
     def _overrides(self) -> dict:
-        """Fields of the algorithm's record that this config sets."""
-        given = {"kl_coef": self.kl_coef, "clip_low": self.clip_low,
-                 "clip_high": self.clip_high, "reward_kl_coef": self.reward_kl_coef,
-                 "reward_kl_estimator": self.reward_kl_estimator, "gamma": self.gamma,
-                 "lam": self.lam}
-        return {k: v for k, v in given.items() if v is not None}
+        """Fields of the algorithm's record that this config sets: every key named like a
+        field of :class:`Algorithm` and not None."""
+        return {k: getattr(self, k) for k in ALGORITHM_KEYS
+                if getattr(self, k, None) is not None}
 
     def algorithm(self) -> Algorithm:
         try:
@@ -225,8 +240,6 @@ class PPOConfig(RLConfig):
 
     def _overrides(self) -> dict:
         out = super()._overrides()
-        if self.value_coef is not None:
-            out["value_coef"] = self.value_coef
         if self.value_clip is not None:
             out["value_clip"] = self.value_clip or None  # 0: the plain ½(V - R)²
         return out

@@ -18,8 +18,11 @@ DAPO also turns on dynamic sampling and overlong reward shaping.
 Variants and what they leave out: ``rloo`` uses the leave-one-out baseline inside GRPO's
 clipped, KL-regularised objective (the paper's KL-in-reward form is ``reinforce_pp`` with a
 leave-one-out baseline, not provided). ``dr_grpo``'s constant ``C`` is the maximum number of
-new tokens (:meth:`Algorithm.loss_constant`). Besides the math, the record says what the
-loop needs: whether zero advantage means zero gradient, whether rewards are per token.
+new tokens (:meth:`Algorithm.loss_constant`). Besides the math, each piece declares what the
+loop needs: an estimator (:class:`Estimator`) which inputs it reads, whether it compares a
+group's samples and whether its rewards are per token; a policy loss (:class:`PolicyLoss`)
+its inputs and whether a zero advantage gives a zero gradient. The record's properties are
+read off those declarations, never kept by hand beside them.
 The commands take their algorithms from this table: ``posttrain grpo`` those without a
 critic, ``posttrain ppo`` those with per-token rewards (:func:`algorithm_names`).
 """
@@ -98,32 +101,56 @@ class Algorithm:
                 raise ValueError(f"{self.name}: unknown KL estimator {est!r}")
         if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
             raise ValueError(f"{self.name}: need 0 ≤ clip_low < 1 and clip_high ≥ 0")
+        if self.dual_clip is not None and not self.dual_clip > 1:
+            raise ValueError(f"{self.name}: dual_clip must be > 1 (or none), got "
+                             f"{self.dual_clip}")
         if self.advantage == "gae" and not self.critic:
             raise ValueError(f"{self.name}: GAE needs a critic")
 
     @property
+    def estimator(self) -> Estimator:
+        return ADVANTAGE_ESTIMATORS[self.advantage]
+
+    @property
+    def loss(self) -> PolicyLoss:
+        return POLICY_LOSSES[self.policy_loss]
+
+    @property
+    def advantage_inputs(self) -> frozenset[str]:
+        """The inputs of :class:`AdvantageInputs` this algorithm's estimator reads: the
+        estimator's own, plus the old and reference log-probs when a reward KL penalty is on."""
+        extra = {"old_logprobs", "ref_logprobs"} if self.reward_kl_coef else set()
+        return self.estimator.inputs | extra
+
+    @property
+    def loss_inputs(self) -> frozenset[str]:
+        """The inputs of :class:`PolicyInputs` the loss reads (the reference's with β > 0)."""
+        return self.loss.inputs | ({"ref_logprobs"} if self.kl_coef > 0 else set())
+
+    @property
     def needs_reference(self) -> bool:
         """Whether reference log-probabilities must be computed."""
-        return self.kl_coef > 0 or self.reward_kl_coef > 0
+        return "ref_logprobs" in self.advantage_inputs | self.loss_inputs
 
     @property
     def needs_groups(self) -> bool:
         """Whether the advantage compares samples of the same prompt (G > 1 needed)."""
-        return self.advantage in GROUP_ESTIMATORS
+        return self.estimator.groups
 
     @property
     def token_rewards(self) -> bool:
         """Whether rewards are per token (a KL penalty folded into each token's reward, then
         returns over the completion): the RLHF family, ``posttrain ppo``'s algorithms."""
-        return self.advantage in TOKEN_REWARD_ESTIMATORS
+        return self.estimator.token_rewards
 
     @property
     def zero_advantage_zero_gradient(self) -> bool:
         """Whether a sample whose advantage is 0 on every token adds nothing to the policy
-        gradient, so the update may skip its forward and backward pass. Every policy loss of
-        the table is ``-A · f(ratio)``; only a KL term in the loss (β > 0) gives such a
-        sample a gradient. (A critic still trains on it.)"""
-        return self.kl_coef == 0
+        gradient, so the update may skip its forward and backward pass: the policy loss
+        declares it (:attr:`PolicyLoss.zero_advantage_zero_gradient`) and no other term of
+        the per-token loss is on (the KL term, β > 0, gives such a sample a gradient). A
+        critic still trains on it."""
+        return self.loss.zero_advantage_zero_gradient and self.kl_coef == 0
 
     def loss_constant(self, max_new_tokens: int) -> float:
         """The constant ``C`` the aggregation divides by: Dr. GRPO's ``seq_sum_const`` uses
@@ -135,74 +162,140 @@ class Algorithm:
         return dataclasses.replace(self, **changes)
 
 
-# --- advantage estimators: one uniform signature --------------------------------------------
-# (algo, scores (B,), group_ids (B,), response_mask (B,T), old_logprobs, ref_logprobs, values)
-#   -> (advantages (B,T), returns (B,T) or None)
+# --- the pieces an algorithm combines, each a function with what it declares -----------------
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """What an advantage estimator may read. ``scores`` ``(B,)`` sequence rewards,
+    ``group_ids`` ``(B,)`` the prompt each sample came from, ``response_mask`` ``(B, T)``;
+    ``old_logprobs``, ``ref_logprobs``, ``values`` ``(B, T)`` or None when not computed."""
+
+    scores: torch.Tensor
+    group_ids: torch.Tensor
+    response_mask: torch.Tensor
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class PolicyInputs:
+    """What a policy loss may read, all ``(B, T)`` (``advantages`` may be ``(B,)``):
+    ``logprobs`` (with gradient), ``old_logprobs``, ``advantages``, ``response_mask``,
+    ``ref_logprobs`` (None when not computed)."""
+
+    logprobs: torch.Tensor
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    response_mask: torch.Tensor
+    ref_logprobs: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """An advantage estimator: ``fn(algo, x: AdvantageInputs) -> (advantages (B, T),
+    returns (B, T) or None)`` and what it declares."""
+
+    fn: Callable[[Algorithm, AdvantageInputs], tuple[torch.Tensor, torch.Tensor | None]]
+    inputs: frozenset[str]
+    """Fields of :class:`AdvantageInputs` it reads (beyond the reward KL's, which
+    :attr:`Algorithm.advantage_inputs` adds)."""
+    groups: bool = False
+    """It compares samples of one prompt (needs group_size ≥ 2)."""
+    token_rewards: bool = False
+    """Its rewards are per token (a KL penalty folded in, returns over the completion)."""
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """A policy loss: ``fn(algo, x: PolicyInputs) -> (per-token loss (B, T), metrics)`` and
+    what it declares."""
+
+    fn: Callable[[Algorithm, PolicyInputs], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+    inputs: frozenset[str] = frozenset({"logprobs", "old_logprobs", "advantages",
+                                        "response_mask"})
+    """Fields of :class:`PolicyInputs` it reads."""
+    zero_advantage_zero_gradient: bool = True
+    """A sample whose advantage is 0 on every token gets no gradient from it (true of any
+    loss of the form −A·f(ratio)); false for a loss with a term that does not vanish with A
+    (an entropy bonus, say), so the update never skips such samples."""
+
+
+_BASE = frozenset({"scores", "group_ids", "response_mask"})
+
 
 def _broadcast(seq_adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask.bool(), seq_adv.unsqueeze(-1).to(torch.float32), 0.0)
 
 
-def _reward_kl(algo, mask, old_logprobs, ref_logprobs):
+def _reward_kl(algo: Algorithm, x: AdvantageInputs) -> torch.Tensor:
     if algo.reward_kl_coef == 0:
-        return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-    if old_logprobs is None or ref_logprobs is None:
-        raise ValueError(f"{algo.name}: reward_kl_coef > 0 needs old_logprobs and ref_logprobs")
-    return kl_penalty(old_logprobs, ref_logprobs, algo.reward_kl_estimator)
+        return torch.zeros(x.response_mask.shape, dtype=torch.float32,
+                           device=x.response_mask.device)
+    return kl_penalty(x.old_logprobs, x.ref_logprobs, algo.reward_kl_estimator)
 
 
-def _adv_group(algo, scores, group_ids, mask, old_logprobs, ref_logprobs, values):
-    return _broadcast(group_advantages(scores, group_ids, scale_by_std=True), mask), None
+def _adv_group(algo, x):
+    return _broadcast(group_advantages(x.scores, x.group_ids, scale_by_std=True),
+                      x.response_mask), None
 
 
-def _adv_group_no_std(algo, scores, group_ids, mask, old_logprobs, ref_logprobs, values):
-    return _broadcast(group_advantages(scores, group_ids, scale_by_std=False), mask), None
+def _adv_group_no_std(algo, x):
+    return _broadcast(group_advantages(x.scores, x.group_ids, scale_by_std=False),
+                      x.response_mask), None
 
 
-def _adv_rloo(algo, scores, group_ids, mask, old_logprobs, ref_logprobs, values):
-    return _broadcast(rloo_advantages(scores, group_ids), mask), None
+def _adv_rloo(algo, x):
+    return _broadcast(rloo_advantages(x.scores, x.group_ids), x.response_mask), None
 
 
-def _adv_gae(algo, scores, group_ids, mask, old_logprobs, ref_logprobs, values):
-    if values is None:
-        raise ValueError("GAE needs critic values")
-    kl = _reward_kl(algo, mask, old_logprobs, ref_logprobs)
-    rewards = token_level_rewards(scores, kl, mask, algo.reward_kl_coef)
-    adv, returns = gae(rewards, values.detach().float(), mask, algo.gamma, algo.lam)
-    return masked_whiten(adv, mask), returns
+def _adv_gae(algo, x):
+    rewards = token_level_rewards(x.scores, _reward_kl(algo, x), x.response_mask,
+                                  algo.reward_kl_coef)
+    adv, returns = gae(rewards, x.values.detach().float(), x.response_mask, algo.gamma,
+                       algo.lam)
+    return masked_whiten(adv, x.response_mask), returns
 
 
-def _adv_reinforce_pp(algo, scores, group_ids, mask, old_logprobs, ref_logprobs, values):
-    kl = _reward_kl(algo, mask, old_logprobs, ref_logprobs)
-    rewards = token_level_rewards(scores, kl, mask, algo.reward_kl_coef)
-    return reinforce_pp_advantages(rewards, mask, algo.gamma)
+def _adv_reinforce_pp(algo, x):
+    rewards = token_level_rewards(x.scores, _reward_kl(algo, x), x.response_mask,
+                                  algo.reward_kl_coef)
+    return reinforce_pp_advantages(rewards, x.response_mask, algo.gamma)
 
 
-def _adv_reinforce_pp_baseline(algo, scores, group_ids, mask, old_logprobs, ref_logprobs,
-                               values):
-    centred = group_advantages(scores, group_ids, scale_by_std=False)
-    return _adv_reinforce_pp(algo, centred, group_ids, mask, old_logprobs, ref_logprobs, values)
+def _adv_reinforce_pp_baseline(algo, x):
+    centred = group_advantages(x.scores, x.group_ids, scale_by_std=False)
+    return _adv_reinforce_pp(algo, dataclasses.replace(x, scores=centred))
 
 
-ADVANTAGE_ESTIMATORS: dict[str, Callable] = {
-    "group": _adv_group,
-    "group_no_std": _adv_group_no_std,
-    "rloo": _adv_rloo,
-    "gae": _adv_gae,
-    "reinforce_pp": _adv_reinforce_pp,
-    "reinforce_pp_baseline": _adv_reinforce_pp_baseline,
+ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {
+    "group": Estimator(_adv_group, _BASE, groups=True),
+    "group_no_std": Estimator(_adv_group_no_std, _BASE, groups=True),
+    "rloo": Estimator(_adv_rloo, _BASE, groups=True),
+    "gae": Estimator(_adv_gae, _BASE | {"values"}, token_rewards=True),
+    "reinforce_pp": Estimator(_adv_reinforce_pp, _BASE, token_rewards=True),
+    "reinforce_pp_baseline": Estimator(_adv_reinforce_pp_baseline, _BASE, groups=True,
+                                       token_rewards=True),
 }
-GROUP_ESTIMATORS = frozenset({"group", "group_no_std", "rloo", "reinforce_pp_baseline"})
-TOKEN_REWARD_ESTIMATORS = frozenset({"gae", "reinforce_pp", "reinforce_pp_baseline"})
 
-POLICY_LOSSES: dict[str, Callable] = {
-    "ppo_clip": lambda algo, lp, old, adv, mask: ppo_clip_loss(
-        lp, old, adv, mask, algo.clip_low, algo.clip_high, algo.dual_clip),
-    "gspo": lambda algo, lp, old, adv, mask: gspo_loss(
-        lp, old, adv, mask, algo.clip_low, algo.clip_high),
-    "gspo_token": lambda algo, lp, old, adv, mask: gspo_token_loss(
-        lp, old, adv, mask, algo.clip_low, algo.clip_high),
+POLICY_LOSSES: dict[str, PolicyLoss] = {
+    "ppo_clip": PolicyLoss(lambda algo, x: ppo_clip_loss(
+        x.logprobs, x.old_logprobs, x.advantages, x.response_mask, algo.clip_low,
+        algo.clip_high, algo.dual_clip)),
+    "gspo": PolicyLoss(lambda algo, x: gspo_loss(
+        x.logprobs, x.old_logprobs, x.advantages, x.response_mask, algo.clip_low,
+        algo.clip_high)),
+    "gspo_token": PolicyLoss(lambda algo, x: gspo_token_loss(
+        x.logprobs, x.old_logprobs, x.advantages, x.response_mask, algo.clip_low,
+        algo.clip_high)),
 }
+
+
+def _missing(inputs: frozenset[str], x, what: str, algo: Algorithm) -> None:
+    """One clear error for a declared input that was not given."""
+    absent = sorted(k for k in inputs if getattr(x, k) is None)
+    if absent:
+        raise ValueError(f"{algo.name}: its {what} needs {', '.join(absent)}")
 
 
 @torch.no_grad()
@@ -219,10 +312,13 @@ def compute_advantages(
 
     ``scores`` ``(B,)`` are sequence rewards; ``group_ids`` ``(B,)`` say which prompt each
     sample came from. Token-level estimators use ``old_logprobs``/``ref_logprobs`` ``(B, T)``
-    for the reward KL penalty and ``values`` ``(B, T)`` for GAE.
+    for the reward KL penalty and ``values`` ``(B, T)`` for GAE; an input the algorithm
+    declares (:attr:`Algorithm.advantage_inputs`) and that is None is an error.
     """
-    fn = ADVANTAGE_ESTIMATORS[algo.advantage]
-    return fn(algo, scores.float(), group_ids, response_mask, old_logprobs, ref_logprobs, values)
+    x = AdvantageInputs(scores.float(), group_ids, response_mask, old_logprobs, ref_logprobs,
+                        values)
+    _missing(algo.advantage_inputs, x, f"advantage estimator {algo.advantage!r}", algo)
+    return algo.estimator.fn(algo, x)
 
 
 def policy_objective(
@@ -235,11 +331,11 @@ def policy_objective(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token loss ``(B, T)`` of ``algo``: its policy loss plus ``β · KL`` to the reference
     when ``kl_coef > 0``; aggregate it with ``aggregate_loss(..., algo.aggregation, ...)``."""
-    loss, metrics = POLICY_LOSSES[algo.policy_loss](algo, logprobs, old_logprobs, advantages,
-                                                    response_mask)
+    x = PolicyInputs(logprobs, old_logprobs, advantages, response_mask, ref_logprobs)
+    _missing(algo.loss_inputs, x, f"policy loss {algo.policy_loss!r} (with kl_coef > 0)"
+             if algo.kl_coef > 0 else f"policy loss {algo.policy_loss!r}", algo)
+    loss, metrics = algo.loss.fn(algo, x)
     if algo.kl_coef > 0:
-        if ref_logprobs is None:
-            raise ValueError(f"{algo.name}: kl_coef > 0 needs ref_logprobs")
         kl = kl_penalty(logprobs, ref_logprobs, algo.kl_estimator)
         loss = loss + algo.kl_coef * torch.where(response_mask.bool(), kl, 0.0)
         metrics["kl"] = masked_mean(kl.detach(), response_mask)

@@ -138,11 +138,12 @@ def token_entropy(logits: torch.Tensor, chunk_rows: int | None = None) -> torch.
 # --- log-probs straight from hidden states ----------------------------------------------------
 
 # Logits per chunk of the fused head: each chunk is a (rows, H) × (H, V) matmul, and the
-# weight gradient's (V, rows) × (rows, H) wants rows in the hundreds to run at the machine's
-# matmul rate (6-row chunks of a 151,936-token head made a GRPO step 4× slower; on 2 CPU
-# cores 55 / 110 / 220 / 440 rows took 12.4 / 10.3 / 8.9 / 8.4 s for a 2560-row forward and
-# backward), so chunks are larger than the reductions' above: 32M float32 logits (128 MiB;
-# 220 rows at V = 151,936) against the 1.2 GB of a 2048-row batch's full logits.
+# weight gradient's (V, rows) × (rows, H) needs rows in the hundreds to run at the machine's
+# matmul rate (a few rows per chunk of a large-vocabulary head leave the matmuls
+# memory-bound: each chunk re-reads the whole (V, H) weight), so chunks are larger than the
+# reductions' above: on the CPU 32M float32 logits (128 MiB; 220 rows at V = 151,936),
+# small against the full logits of a batch of thousands of rows. docs/benchmarks.md has
+# the measurements behind the CPU figure.
 HEAD_CHUNK_ELEMENTS = {"cpu": 1 << 25, "cuda": 1 << 26}
 
 def head_logit_transform(logits: torch.Tensor, scale: float = 1.0, divide: float = 1.0,
@@ -175,17 +176,17 @@ class _HeadLogprobs(torch.autograd.Function):
     each time, and on the CPU one this large is a fresh mapping, page-faulted anew."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, transform, rows, with_entropy, sampled):
+    def forward(ctx, hidden, weight, bias, labels, transform, rows, with_entropy, known):
         N, V = hidden.shape[0], weight.shape[0]
         dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-        ctx.transform, ctx.rows, ctx.renormalise = transform, rows, sampled is not None
-        if sampled is not None:  # the sampled token's logit only, against the known lse
-            lse = sampled[0].to(dtype)
+        ctx.transform, ctx.rows, ctx.renormalise = transform, rows, known is not None
+        if known is not None:  # the label's logit only, against the known lse
+            lse = known[0].to(dtype)
             picked = (hidden.to(dtype) * weight[labels].to(dtype)).sum(-1)  # (N,)
             if bias is not None:
                 picked = picked + bias[labels].to(dtype)
             out = head_logit_transform(picked, *transform) - lse
-            ent = sampled[1].to(dtype) if with_entropy else out.new_empty(0)
+            ent = known[1].to(dtype) if with_entropy else out.new_empty(0)
             ctx.save_for_backward(hidden, weight, bias, labels, lse)
             ctx.mark_non_differentiable(ent)
             return out, ent
@@ -233,7 +234,7 @@ class _HeadLogprobs(torch.autograd.Function):
             # z·T = softcap · tanh(u): ∂/∂u = 1 − tanh²(u), taken before z becomes p
             cap = (z * (temperature / softcap)).square_().neg_().add_(1) if softcap else None
             d = z.sub_(lse[s:s + ctx.rows, None]).exp_()
-            if ctx.renormalise:  # p of these very logits, whatever the sampler rounded
+            if ctx.renormalise:  # p of these very logits, whatever the given lse rounded
                 d.div_(d.sum(-1, keepdim=True))
             d.mul_(-g)  # −p · g, in place
             d.scatter_add_(-1, labels[s:s + ctx.rows, None], g)  # + 1[v = y] · g
@@ -279,19 +280,19 @@ def head_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
                         bias: torch.Tensor | None = None, scale: float = 1.0,
                         divide: float = 1.0, softcap: float = 0.0, temperature: float = 1.0,
                         with_entropy: bool = False, chunk_rows: int | None = None,
-                        sampled: torch.Tensor | None = None):
+                        known: torch.Tensor | None = None):
     """Per-token log-probs ``(N,)`` of ``labels`` under the head ``weight`` ``(V, H)``
     (and ``bias``) applied to ``hidden`` ``(N, H)`` with :func:`head_logit_transform`,
     computed a chunk of rows at a time in the forward and the backward, so no ``(N, V)``
     tensor is ever held (see :class:`_HeadLogprobs`). With ``with_entropy`` also the
     entropy ``(N,)``, without gradient.
 
-    ``sampled`` ``(2, N)``: each row's log-sum-exp and entropy of these logits, known
-    already (the sampler computed them while drawing ``labels`` from the same policy): the
-    forward then takes only the chosen logit, ``h·W[y]``, and returns the known entropy, so
-    the head costs three matmuls over the vocabulary instead of four. The backward, which
-    recomputes the logits anyway, normalises their softmax itself, so the gradient is
-    log-softmax's at these logits, not at the sampler's rounding of them.
+    ``known`` ``(2, N)``: each row's log-sum-exp and entropy of these logits when they are
+    known already (computed elsewhere from the same weights and hidden states): the
+    forward then takes only the label's logit, ``h·W[y]``, and returns the given entropy,
+    so the head costs three matmuls over the vocabulary instead of four. The backward,
+    which recomputes the logits anyway, normalises their softmax itself, so the gradient is
+    log-softmax's at these logits, not at the given log-sum-exp's rounding of them.
 
     Naive equivalent: ``token_logprobs(head_logit_transform(hidden @ weight.T + bias, ...),
     labels)``."""
@@ -299,5 +300,5 @@ def head_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
     rows = chunk_rows or max(1, HEAD_CHUNK_ELEMENTS.get(hidden.device.type, 1 << 25) // V)
     out, ent = _HeadLogprobs.apply(hidden, weight, bias, labels,
                                    (float(scale), float(divide), float(softcap or 0.0),
-                                    float(temperature)), rows, with_entropy, sampled)
+                                    float(temperature)), rows, with_entropy, known)
     return (out, ent) if with_entropy else out

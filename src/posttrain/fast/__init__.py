@@ -3,17 +3,20 @@ behind one switch (``fast``, on by default; each piece also has its own):
 
 - :mod:`.lean` — the lean Llama-family decoder and its capture of projection outputs
   (rollout backend ``lean``);
-- :mod:`.replay` — the update's forward replaying those outputs (``reuse_rollout_forward``),
-  refused once the policy has moved;
+- :mod:`.cache` — what the sampler computed that the update may reuse (those outputs, the
+  head's statistics), as one opaque cache refused once the policy has moved;
+- :mod:`.eligibility` — the one decision of what a run keeps (``replay_projections``,
+  ``reuse_sampler_head``);
+- :mod:`.replay` — the update's forward replaying the projections' outputs;
 - :mod:`.attention` — eager attention for short inputs on the CPU;
 - :mod:`.memory` — glibc's malloc keeping freed memory (``keep_freed_memory``);
 - :mod:`.sparse_rows` — the input embedding trained by rows: sparse gradients, AdamW states
   only for rows that have had one (``sparse_embedding_grad``);
 - :mod:`.compile` — ``torch.compile`` of the pointwise blocks (``compile``, off by default).
 
-With ``fast=false`` none of the first five runs; the plain path (``posttrain.models``,
-rollout backend ``hf``) never depends on them. (The trainers' AdamW is
-``sparse_rows.AdamW`` either way: with dense gradients it is torch's own step, and it loads
+With ``fast=false`` none of these runs (``compile`` has only its own key); the plain path
+(``posttrain.models``, rollout backend ``hf``) never depends on them. (The trainers' AdamW
+is ``sparse_rows.AdamW`` either way: with dense gradients it is torch's own step, and it loads
 a checkpoint written with row states.)
 """
 

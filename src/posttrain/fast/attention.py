@@ -10,10 +10,9 @@ from transformers import PreTrainedModel
 from posttrain.models import backbone, cache_kwarg
 
 # On the CPU, for a short key length the model's eager attention (two matmuls and a softmax)
-# is faster than SDPA's CPU kernel; for long ones SDPA wins and eager's L×L scores cost
-# memory. Forward + backward, causal, 2 threads: 2.6 against 8.8 ms at 38 keys (64 rows × 4
-# heads of 32), 23 against 30 ms at 64 keys, 34 against 38 ms at 128 (8 heads of 64), and
-# 118 against 56 ms at 256. A GRPO step of the 0.5M benchmark model: 4.8% faster.
+# is faster than SDPA's CPU kernel, whose fixed cost per call dominates there; for long ones
+# SDPA wins and eager's L×L scores cost memory. The crossover, forward and backward, lies
+# between 128 and 256 keys on 2 cores (docs/benchmarks.md, CPU speed switches).
 EAGER_ATTENTION_MAX_KEYS = 128
 
 def attention_for_keys(model: PreTrainedModel, keys: int) -> str:

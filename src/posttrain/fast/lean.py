@@ -7,12 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from posttrain.fast.replay import (
-    DecodeActivations,
-    is_replayable_projection,
-    lora_parts,
-    policy_version,
-)
+from posttrain.fast.replay import DecodeActivations, is_replayable_projection, lora_parts
 
 
 def _rms_norm(norm):
@@ -94,7 +89,6 @@ class LeanLlamaDecoder:
         import torch.nn.functional as F
 
         self.F = F
-        self.version = policy_version(model)  # the weights the capture belongs to
         if hasattr(model, "get_base_model"):  # a peft LoRA model: its adapters merged below
             model = model.get_base_model()
         base = model.model
@@ -151,18 +145,22 @@ class LeanLlamaDecoder:
         self.saved: list[dict[str, torch.Tensor]] | None = None
         self.blocks: list[dict[str, tuple[torch.Tensor, ...]]] = []
         if capture:
-            q, kv, H = self.nh * self.hd, self.nkv * self.hd, cfg.hidden_size
-            gu = self.layers[0][5][0].shape[1]
-            T = max_len - Lp
-            # allocated in two runs, what the update's backward needs (v, gate and up) and
-            # what its forward is done with layer by layer (q and k before rotation, o,
-            # down), so the latter leave one contiguous free region for the backward's own
-            self.saved = [{} for _ in self.layers]
-            for kinds in ((("v", kv), ("gu", gu)), (("qk", q + kv), ("o", H), ("down", H))):
-                for saved in self.saved:
-                    for kind, features in kinds:
-                        saved[kind] = k0.new_empty(T, N, features)
+            self.saved = self._capture_buffers(k0, cfg.hidden_size, N, max_len - Lp)
             self.blocks = [{k: v.unbind(0) for k, v in d.items()} for d in self.saved]
+
+    def _capture_buffers(self, like: torch.Tensor, H: int, N: int, T: int):
+        """Per layer, a ``(T, N, features)`` buffer for each projection's output. Allocated
+        in two runs, what the update's backward needs (v, gate and up) and what its forward
+        is done with layer by layer (q and k before rotation, o, down), so the latter leave
+        one contiguous free region for the backward's own."""
+        q, kv = self.nh * self.hd, self.nkv * self.hd
+        gu = self.layers[0][5][0].shape[1]
+        saved: list[dict[str, torch.Tensor]] = [{} for _ in self.layers]
+        for kinds in ((("v", kv), ("gu", gu)), (("qk", q + kv), ("o", H), ("down", H))):
+            for buffers in saved:
+                for kind, features in kinds:
+                    buffers[kind] = like.new_empty(T, N, features)
+        return saved
 
     def activations(self, columns: int, end: torch.Tensor) -> DecodeActivations | None:
         """The captured outputs over the first ``columns`` completion positions, sample by
@@ -182,7 +180,7 @@ class LeanLlamaDecoder:
                     flat.index_copy_(0, dst, flat[src])
                 v[t, row] = 0
         return DecodeActivations([{k: v[:columns].transpose(0, 1) for k, v in d.items()}
-                                  for d in self.saved], self.version)
+                                  for d in self.saved])
 
     def _moved(self, columns: int, N: int, device) -> tuple[torch.Tensor | None, ...]:
         """Where the outputs of rows that moved to another cache slot were written, and

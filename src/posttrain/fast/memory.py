@@ -26,8 +26,8 @@ def keep_freed_memory() -> bool:
     a page fault, with zeroing, per 4 KiB (expensive in virtual machines). Here blocks up to
     32 MiB come from the heap and the heap is never trimmed: pages are faulted once, in the
     first step. The process's resident memory then stays at its peak, which is what a
-    training run's peak already is. On 2 CPU cores this cut the update phase of a 25M
-    parameter GRPO step by 13% (``benchmarks/grpo_speed.py``); it changes no result.
+    training run's peak already is. It changes no result; what it saves is measured by
+    ``benchmarks/grpo_speed.py`` (docs/benchmarks.md).
     Process-wide and applied once; it does not apply to CUDA memory, which PyTorch caches
     itself.
     """

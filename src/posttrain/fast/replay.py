@@ -2,11 +2,9 @@
 lean sampler computed instead of running those matmuls again (2·N FLOPs per completion token
 saved), with the gradients of the real modules.
 
-The activations are only valid for the weights that produced them. A model's *policy
-version* (:func:`policy_version`) moves with every optimiser step that
-:func:`track_policy_version` watches; :class:`DecodeActivations` records the version it was
-captured at, and :meth:`DecodeActivations.replay` refuses (:class:`StaleActivations`) once it
-has moved. The check sits where the activations are used, not in the loop's order.
+The activations are only valid for the weights that produced them: they travel inside the
+version-checked :class:`posttrain.fast.cache.SamplerCache`, which refuses them once the
+policy has moved.
 """
 
 from __future__ import annotations
@@ -17,22 +15,6 @@ from dataclasses import dataclass
 import torch
 
 from posttrain.models import decoder_layers
-
-
-class StaleActivations(RuntimeError):
-    """Saved sampler activations offered to a policy that has changed since sampling."""
-
-
-def policy_version(model: torch.nn.Module) -> int:
-    """How many watched optimiser steps have changed ``model`` (0 if none is watched)."""
-    return getattr(model, "_posttrain_policy_version", 0)
-
-
-def track_policy_version(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Move ``model``'s policy version after every step of ``optimizer``."""
-    def bump(*_):
-        model._posttrain_policy_version = policy_version(model) + 1
-    optimizer.register_step_post_hook(bump)
 
 
 class _ReplayedLinear(torch.autograd.Function):
@@ -262,8 +244,6 @@ class DecodeActivations:
     """
 
     layers: list[dict[str, torch.Tensor]]
-    version: int = 0
-    """The sampling policy's :func:`policy_version` when these were captured."""
 
     def rows(self, rows: torch.Tensor) -> DecodeActivations:
         """The samples ``rows``; a view when they are a contiguous ascending range (the
@@ -271,19 +251,13 @@ class DecodeActivations:
         r = rows.tolist()
         if r and r == list(range(r[0], r[0] + len(r))):
             rows = slice(r[0], r[0] + len(r))
-        return DecodeActivations([{k: v[rows] for k, v in d.items()} for d in self.layers],
-                                 self.version)
+        return DecodeActivations([{k: v[rows] for k, v in d.items()} for d in self.layers])
 
     def replay(self, model, columns: int) -> contextlib.AbstractContextManager:
         """A context in which ``model``'s projections return these outputs
         (:func:`replay_forward`), for the completion call of a shared-prompt pass over the
-        first ``columns`` positions. Raises :class:`StaleActivations` if ``model`` has taken
-        an optimiser step since they were captured."""
-        now = policy_version(model)
-        if now != self.version:
-            raise StaleActivations(
-                f"sampler activations of policy version {self.version} offered to version "
-                f"{now}: the policy changed since sampling, so they must be recomputed")
+        first ``columns`` positions (``model`` must be the policy that sampled them: the
+        cache that holds them checks)."""
         return replay_forward(self.replay_map(model, columns))
 
     @classmethod
@@ -295,11 +269,9 @@ class DecodeActivations:
         def pad(x: torch.Tensor) -> torch.Tensor:
             return torch.nn.functional.pad(x, (0, 0, 0, T - x.shape[1]))
 
-        if len({p.version for p in parts}) > 1:
-            return None  # sampled by different policies: not one batch's activations
         layers = [{k: torch.cat([pad(p.layers[i][k]) for p in parts]) for k in parts[0].layers[i]}
                   for i in range(len(parts[0].layers))]
-        return cls(layers, parts[0].version)
+        return cls(layers)
 
     def replay_map(self, model, columns: int) -> dict[torch.nn.Module, torch.Tensor | tuple]:
         """What :func:`replay_forward` takes for ``model``: each attention
@@ -321,22 +293,3 @@ class DecodeActivations:
             else:  # some adapted: each projection replayed on its own
                 out.update({m.gate_proj: gate, m.up_proj: up, m.down_proj: cut["down"]})
         return out
-
-def can_replay(model) -> bool:
-    """Whether the update's forward may take ``model``'s projections from its lean sampler
-    (:class:`DecodeActivations`): a model the lean decoder runs (plain ``nn.Linear``
-    projections, a bias-free SwiGLU MLP that :func:`replay_forward` knows), whose
-    training forward computes what sampling computed (no dropout, no gradient
-    checkpointing)."""
-    checkpointing = any(getattr(m, "gradient_checkpointing", False) is True
-                        for m in model.modules())
-    from posttrain.fast.lean import LeanLlamaDecoder
-
-    return LeanLlamaDecoder.supports(model) and not checkpointing and not has_dropout(model)
-
-
-def has_dropout(model) -> bool:
-    """Whether ``model``'s training forward drops anything (attention dropout, a dropout
-    module, LoRA's among them), so it does not compute what its sampling computed."""
-    return bool(getattr(model.config, "attention_dropout", 0.0) or any(
-        isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()))

@@ -15,7 +15,7 @@ from transformers import PreTrainedModel
 
 from posttrain.core import token_entropy, token_logprobs
 from posttrain.core.logprobs import head_logit_transform, head_token_logprobs
-from posttrain.models.loading import backbone
+from posttrain.models.loading import backbone, for_device
 
 
 def has_plain_head(model: PreTrainedModel) -> bool:
@@ -41,11 +41,13 @@ def head_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
                                 **logit_transform(model.config))
 
 
-FUSED_HEAD_MIN_ELEMENTS = 1 << 26
-"""Logits (rows × vocabulary) from which the head is fused into the log-probs: below it
-(256 MiB of float32) the full logits are cheap to hold, and the fused backward's second
-head matmul (it recomputes each chunk's logits: 4 head matmuls instead of 3 with the
-weight's gradient) would cost time for nothing."""
+FUSED_HEAD_MIN_ELEMENTS = {"cpu": 1 << 26, "cuda": 1 << 26}
+"""Logits (rows × vocabulary) from which the head is fused into the log-probs, per device
+type: below it (256 MiB of float32) the full logits are cheap to hold, and the fused
+backward's second head matmul (it recomputes each chunk's logits: 4 head matmuls instead of
+3 with the weight's gradient) would cost time for nothing. The CPU figure is measured on 2
+cores; CUDA's is not measured yet and keeps it (there memory, not the extra matmul, is
+what the fused head is for)."""
 
 
 def fusable_head(model: PreTrainedModel, rows: int):
@@ -58,29 +60,30 @@ def fusable_head(model: PreTrainedModel, rows: int):
     w = head.weight
     if hasattr(w, "to_local") or not w.dtype.is_floating_point:
         return None
-    return head if rows * w.shape[0] >= FUSED_HEAD_MIN_ELEMENTS else None
+    return head if rows * w.shape[0] >= for_device(FUSED_HEAD_MIN_ELEMENTS, w.device) else None
 
 
 def head_logprobs(model: PreTrainedModel, hidden: torch.Tensor, labels: torch.Tensor,
                   target: torch.Tensor, with_entropy: bool, temperature: float = 1.0,
-                  sampled: torch.Tensor | None = None):
+                  known: torch.Tensor | None = None):
     """Log-probs of ``labels`` ``(N,)`` from last hidden states ``(N, H)``, scattered to the
     positions ``target`` marks (and the entropy, without gradient). With a plain linear
     head and large logits, the head runs inside the log-prob computation a chunk of rows at
     a time, forward and backward (:func:`posttrain.core.logprobs.head_token_logprobs`): no
     ``(N, V)`` logits are ever held. Otherwise the head's logits are formed and reduced.
-    ``sampled`` ``(2, N)``: the log-sum-exp and entropy of the distributions the policy, as
-    it is now, sampled ``labels`` from; the fused head then skips its forward matmul (float32
-    heads only: there the sampler's figures are the head's own to rounding)."""
+    ``known`` ``(2, N)``: each row's log-sum-exp and entropy of these very logits, computed
+    elsewhere (the sampler's, for the policy as it is now); the fused head then skips its
+    forward matmul (float32 heads only: there the given figures are the head's own to
+    rounding)."""
     head = fusable_head(model, hidden.shape[0])
     if head is None:
         return scatter_logprobs(tempered(head_logits(model, hidden), temperature), labels,
                                 target, with_entropy)
     if head.weight.dtype != torch.float32 or hidden.dtype != torch.float32:
-        sampled = None
+        known = None
     res = head_token_logprobs(hidden, head.weight, labels, head.bias,
                               temperature=temperature, with_entropy=with_entropy,
-                              sampled=sampled, **logit_transform(model.config))
+                              known=known, **logit_transform(model.config))
     return _placed(*(res if with_entropy else (res,)), target=target)
 
 

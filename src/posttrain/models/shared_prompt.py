@@ -16,7 +16,7 @@ import inspect
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from posttrain.models.loading import active_parameters, backbone
+from posttrain.models.loading import active_parameters, backbone, for_device
 from posttrain.models.logprobs import has_plain_head, head_logprobs
 
 
@@ -36,7 +36,7 @@ def shared_prompt_logprobs(model: PreTrainedModel, prompt_ids: torch.Tensor,
                            prompt_index: torch.Tensor | None = None,
                            with_entropy: bool = False, packed: bool | None = None,
                            replay: contextlib.AbstractContextManager | None = None,
-                           temperature: float = 1.0, sampled: torch.Tensor | None = None):
+                           temperature: float = 1.0, known_head: torch.Tensor | None = None):
     """Log-probabilities of ``k`` completions per prompt with the prompt run once.
 
     ``prompt_ids``/``prompt_mask`` are ``(B, Lp)``, *left*-padded; ``completion_ids``/
@@ -63,18 +63,18 @@ def shared_prompt_logprobs(model: PreTrainedModel, prompt_ids: torch.Tensor,
 
     ``replay``: a context the completion call runs in, which then takes the two-call path
     (``posttrain.fast.replay``: the sampler's projection outputs stand in for its matmuls).
-    ``sampled`` ``(2, k·B, Lc)``: with it, the sampler's log-sum-exp and entropy at each
-    completion token (``DecodeActivations.head``) stand in for the head's own forward.
+    ``known_head`` ``(2, k·B, Lc)``: with it, the sampler's log-sum-exp and entropy at each
+    completion token stand in for the head's own forward.
     """
     if not has_plain_head(model):
         raise ValueError("shared_prompt_logprobs needs a model with output embeddings")
     hidden = shared_prompt_hidden(model, prompt_ids, prompt_mask, completion_ids,
                                   completion_mask, prompt_index, packed, replay)
     target = completion_mask.bool()
-    if sampled is not None:  # (2, k·B, Lc) → (2, N) at the completion tokens
-        sampled = sampled[:, target]
+    if known_head is not None:  # (2, k·B, Lc) → (2, N) at the completion tokens
+        known_head = known_head[:, target]
     return head_logprobs(model, hidden, completion_ids[target], target, with_entropy,
-                         temperature, sampled)
+                         temperature, known_head)
 
 def shared_prompt_hidden(model: PreTrainedModel, prompt_ids: torch.Tensor,
                          prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
@@ -104,10 +104,10 @@ PACKABLE_ATTENTION = ("sdpa", "eager")
 
 # When the prompts cannot go into one packed call (the attention takes no 4-D mask, or the
 # packed rows would be too long), sharing them costs a second forward call, which below this
-# size costs more than the prompt tokens it saves (DPO speed-up over TRL measured on 2 CPU
-# cores, two-call shared vs full sequences: 0.87x vs 1.07x at 0.5M parameters, 1.31x vs
-# 1.10x at 25M). The trainers' automatic share_prompt reads it.
-SHARE_PROMPT_MIN_PARAMS = 2_000_000
+# size costs more than the prompt tokens it saves. Per device type: the CPU figure comes
+# from DPO on 2 cores (two-call shared against full sequences, docs/benchmarks.md); CUDA's
+# is not measured yet and keeps the CPU figure. The trainers' automatic share_prompt reads it.
+SHARE_PROMPT_MIN_PARAMS = {"cpu": 2_000_000, "cuda": 2_000_000}
 
 def packs_shared_prompts(model: PreTrainedModel) -> bool:
     """Whether the model's attention takes the custom 4-D mask of the packed layout."""
@@ -115,9 +115,11 @@ def packs_shared_prompts(model: PreTrainedModel) -> bool:
 
 # What the two-call path costs on top of the packed one, in tokens' worth of matmul work:
 # every weight is used twice, so its gradient is two matmuls plus an add, and a second
-# forward call is launched. Measured on 2 CPU cores for DPO pairs of ~14 tokens (25M
-# parameters, 16 pairs): two calls 0.50 s/step, packed 0.41 s/step — about 130 tokens.
-TWO_CALL_OVERHEAD_TOKENS = 128
+# forward call is launched. Per device type: the CPU figure is measured on 2 cores for DPO
+# pairs of ~14 tokens at 25M parameters (docs/benchmarks.md); CUDA's is not measured yet and
+# keeps the CPU figure (a GPU's fixed cost per call is larger, so it is likely higher).
+TWO_CALL_OVERHEAD_TOKENS = {"cpu": 128, "cuda": 128}
+
 
 def packing_pays(model, prompt_mask, completion_mask, rows) -> bool:
     """Whether one packed call is cheaper than two calls: the attention implementation takes
@@ -137,7 +139,8 @@ def packing_pays(model, prompt_mask, completion_mask, rows) -> bool:
     if window and int(lengths.max()) > window:
         return False  # the custom mask would let tokens see past the window
     attention = 4 * float((lengths.double() ** 2).sum()) * hidden * layers
-    return attention <= 2 * active_parameters(model) * TWO_CALL_OVERHEAD_TOKENS
+    overhead = for_device(TWO_CALL_OVERHEAD_TOKENS, prompt_mask.device)
+    return attention <= 2 * active_parameters(model) * overhead
 
 def _packed_hidden(model, prompt_ids, prompt_mask, completion_ids, target, rows):
     """Hidden states predicting each completion token ``(N, H)`` (N = ``target.sum()``, in
@@ -223,13 +226,14 @@ def decide_share_prompt(setting: bool | None, model: PreTrainedModel,
                         group_size: int | None = None) -> bool:
     """Whether a run shares its prompts, decided once at start-up: ``setting`` when given;
     automatically, on when a group's G > 1 completions share one prompt (G - 1 prompts'
-    worth of every pass saved; built-in task at G = 8: 121 → 74 ms/step on 2 CPU cores),
-    when a pair packs into one call, or from :data:`SHARE_PROMPT_MIN_PARAMS` active
-    parameters. Never without output embeddings to apply at the completion positions."""
+    worth of every pass saved), when a pair packs into one call, or from
+    :data:`SHARE_PROMPT_MIN_PARAMS` active parameters (the model's device type's entry).
+    Never without output embeddings to apply at the completion positions."""
     if not has_plain_head(model):
         return False
     if setting is not None:
         return setting
     return bool((group_size is not None and group_size > 1)
                 or (group_size is None and packs_shared_prompts(model))
-                or active_parameters(model) >= SHARE_PROMPT_MIN_PARAMS)
+                or active_parameters(model) >= for_device(
+                    SHARE_PROMPT_MIN_PARAMS, next(model.parameters()).device))

@@ -37,11 +37,10 @@ def make_engine(backend: str, model, tokenizer, fast: bool = True) -> RolloutEng
 
 def generate(model, tokenizer, prompts: list[str], n: int = 1,
              params: SamplingParams | None = None, generator: torch.Generator | None = None,
-             engine: str = "auto", capture: bool = False, head_stats: bool = False
-             ) -> Rollout:
+             engine: str = "auto", extras: frozenset[str] = frozenset()) -> Rollout:
     """One-off sampling: ``make_engine(engine, model, tokenizer).generate(...)``."""
     return make_engine(engine, model, tokenizer).generate(prompts, n, params, generator,
-                                                          capture, head_stats=head_stats)
+                                                          extras=extras)
 
 
 __all__ = ["BACKENDS", "Rollout", "RolloutEngine", "SamplingParams", "concat", "generate",

@@ -2,7 +2,8 @@
 
 An engine is an object the trainer holds for the whole run:
 
-- ``generate(prompts, n, params, generator, capture) -> Rollout``: ``n`` samples per prompt;
+- ``generate(prompts, n, params, generator, uniforms, extras) -> Rollout``: ``n`` samples
+  per prompt; ``extras`` asks for optional outputs the engine lists in its own ``extras``;
 - ``update_weights(policy)``: after the last optimiser step of each RL step, so the sampler
   samples from the policy being trained (an engine with its own copy of the weights, vLLM
   say, copies them here);
@@ -32,19 +33,22 @@ from transformers import DynamicCache
 
 from posttrain.data import pad_left
 from posttrain.models import cache_kwarg
-from posttrain.rollout.types import Rollout, SampledHead, SamplingParams, cut_at_stop
+from posttrain.rollout.types import Rollout, SamplingParams, cut_at_stop
 
 
 class RolloutEngine:
     """The interface the trainers hold (see the module docstring)."""
 
     name = "engine"
-    can_capture = False
-    """Whether ``generate(..., capture=True)`` returns the projections' outputs."""
+    extras: frozenset[str] = frozenset()
+    """The optional outputs ``generate(..., extras=...)`` can keep in ``Rollout.cache``:
+    ``projections`` (each projection's output, for the update to replay) and
+    ``head_stats`` (each sampling distribution's log-sum-exp and entropy)."""
 
     def generate(self, prompts: list[str], n: int = 1, params: SamplingParams | None = None,
-                 generator: torch.Generator | None = None, capture: bool = False,
-                 uniforms: torch.Tensor | None = None, head_stats: bool = False) -> Rollout:
+                 generator: torch.Generator | None = None,
+                 uniforms: torch.Tensor | None = None,
+                 extras: frozenset[str] = frozenset()) -> Rollout:
         raise NotImplementedError
 
     def update_weights(self, policy) -> None:
@@ -99,8 +103,8 @@ def _inverse_cdf(logits: torch.Tensor, temperature: float, u: torch.Tensor,
     The token is the first ``v`` whose cumulative mass reaches ``u`` times the total, found
     in two levels: the per-block sums of ``exp(z − max)`` pick the block, a cumulative sum
     inside that one block picks the token. So one (R, V) tensor is written, not the four of
-    log-softmax, its exponential and a full cumulative sum: at a 151,936-token vocabulary
-    and 64 rows that took a decode step's sampling from 47 to 16 ms on 2 CPU cores."""
+    log-softmax, its exponential and a full cumulative sum, which at a large vocabulary are
+    most of a decode step's sampling time."""
     R, V = logits.shape
     top = logits.amax(-1, keepdim=True)  # (R, 1); -inf only for a row with no finite logit
     e = torch.sub(logits, top)
@@ -151,12 +155,12 @@ def _picked(logits, e, top, total, tokens, temperature: float, stats: bool):
     return tokens, logp, (lse.squeeze(-1), ent.squeeze(-1))
 
 
-def _sampled_head(stats: torch.Tensor, end: torch.Tensor) -> SampledHead | None:
-    """``stats`` ``(2, N, Tc)`` zeroed past each sample's ``end`` (the caller stamps the
-    policy's version); None if any is not finite (a logit of -inf, say)."""
+def _head_stats(stats: torch.Tensor, end: torch.Tensor) -> torch.Tensor | None:
+    """``stats`` ``(2, N, Tc)`` zeroed past each sample's ``end``, on the CPU; None if any
+    is not finite (a logit of -inf, say)."""
     cols = torch.arange(stats.shape[-1], device=stats.device)
     stats = stats.masked_fill(cols[None, None, :] > end[None, :, None], 0.0).cpu()
-    return SampledHead(stats) if bool(torch.isfinite(stats).all()) else None
+    return stats if bool(torch.isfinite(stats).all()) else None
 
 
 def sampling_uniforms(seed: int, step: int, round_: int, rows: int, columns: int
@@ -183,6 +187,53 @@ def compaction(live: torch.Tensor) -> torch.Tensor:
     return rows
 
 
+def _prefill(model, prompt_ids: list[list[int]], n: int, pad_id: int, device):
+    """The prompts' forward, left-padded so every prompt ends at the last column: their KV
+    cache, and for each of the ``n`` samples per prompt the next-token logits ``(N, V)``,
+    attention mask ``(N, Lp)`` and next position ``(N,)``."""
+    ids, mask = pad_left(prompt_ids, pad_id)
+    ids, mask = ids.to(device), mask.to(device)
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    cache = DynamicCache()
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                logits_to_keep=1, **{cache_kwarg(model): cache})
+    logits = out.logits[:, -1].repeat_interleave(n, dim=0)  # (N, V)
+    return (cache, logits, mask.repeat_interleave(n, dim=0),
+            positions[:, -1].repeat_interleave(n) + 1)
+
+
+def _finished(tok: torch.Tensor, eos_id: int | None, stop: tuple[str, ...], tokenizer,
+              tokens: torch.Tensor, rows) -> torch.Tensor:
+    """Which active rows the token ``tok`` (R,) ends: eos, or the row's text so far
+    (``tokens[row]``) containing a stop string. A tokenizer without eos: only a stop string
+    or the budget ends a row."""
+    finished = (tok == eos_id if eos_id is not None
+                else torch.zeros_like(tok, dtype=torch.bool))
+    if stop:
+        for j, row in enumerate(rows):
+            if not finished[j]:
+                text = tokenizer.decode(tokens[row], skip_special_tokens=True)
+                finished[j] = any(s in text for s in stop)
+    return finished
+
+
+def _draw(logits, params: SamplingParams, generator, u, t: int, active, tokens, logps, head):
+    """Step ``t``'s tokens for the active rows, written with their log-probs into column
+    ``t`` of ``tokens`` / ``logps`` ``(N, T)`` (rows ``active``, or all while None), and
+    their distributions' statistics into ``head`` ``(2, N, T)`` when kept; returns the
+    tokens and ``head`` (None from the first step whose sampling has no statistics)."""
+    rows = slice(None) if active is None else active
+    if head is None:
+        (tok, lp), st = sample_tokens(logits, params, generator, u), None
+    else:
+        tok, lp, st = sample_tokens(logits, params, generator, u, stats=True)
+    tokens[rows, t], logps[rows, t] = tok, lp
+    if st is None:
+        return tok, None
+    head[:, rows, t] = torch.stack(st)
+    return tok, head
+
+
 class DecodingEngine(RolloutEngine):
     """An engine that decodes with the policy module itself, in this process: it holds the
     module, not a copy, so ``update_weights`` only rebinds it."""
@@ -199,21 +250,22 @@ class DecodingEngine(RolloutEngine):
     def decoder(self, cache, n: int, max_len: int, mask: torch.Tensor, pos: torch.Tensor,
                 capture: bool):
         """The object that runs one decode step (``step(tokens) -> logits``, ``select(rows)``,
-        ``activations(columns, end)``) over the prefilled ``cache``."""
+        ``activations(columns, end)``: the projections' outputs when ``capture``) over the
+        prefilled ``cache``."""
         raise NotImplementedError
 
     @torch.no_grad()
     def generate(self, prompts: list[str], n: int = 1, params: SamplingParams | None = None,
-                 generator: torch.Generator | None = None, capture: bool = False,
-                 uniforms: torch.Tensor | None = None, head_stats: bool = False) -> Rollout:
-        """Sample ``n`` completions for each prompt (see the module docstring). ``capture``:
-        keep the projections' outputs in ``Rollout.activations`` (engines that can only).
-        ``uniforms`` ``(P·n, max_new_tokens)``: the number in [0, 1) that picks sample
-        ``i``'s token ``t`` (instead of ``generator``), so each sample's draws are its own
-        whatever else is in the batch (the trainers derive them from seed, step and prompt
-        slot: :func:`sampling_uniforms`). ``head_stats``: with plain sampling (temperature
-        > 0, no top-k / top-p), keep each distribution's log-sum-exp and entropy in
-        ``Rollout.head``."""
+                 generator: torch.Generator | None = None,
+                 uniforms: torch.Tensor | None = None,
+                 extras: frozenset[str] = frozenset()) -> Rollout:
+        """Sample ``n`` completions for each prompt (see the module docstring). ``extras``:
+        what to keep in ``Rollout.cache`` of what this engine lists in its ``extras``
+        (others are ignored). ``uniforms`` ``(P·n, max_new_tokens)``: the number in [0, 1)
+        that picks sample ``i``'s token ``t`` (instead of ``generator``), so each sample's
+        draws are its own whatever else is in the batch (the trainers derive them from seed,
+        step and prompt slot: :func:`sampling_uniforms`). ``head_stats`` is kept with plain
+        sampling only (temperature > 0, no top-k / top-p)."""
         model, tokenizer = self.model, self.tokenizer
         params = params or SamplingParams()
         params.validate()
@@ -223,27 +275,19 @@ class DecodingEngine(RolloutEngine):
         P, Lp = len(prompt_ids), max(len(x) for x in prompt_ids)
         N, T = P * n, params.max_new_tokens
 
-        ids, mask = pad_left(prompt_ids, pad_id)  # every prompt ends at column Lp - 1
-        ids, mask = ids.to(device), mask.to(device)
         if uniforms is not None:
             uniforms = uniforms.to(device)
-        positions = (mask.cumsum(-1) - 1).clamp_min(0)
-
         was_training = model.training
         model.eval()
-        cache = DynamicCache()
-        kw = cache_kwarg(model)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                    use_cache=True, logits_to_keep=1, **{kw: cache})
-        logits = out.logits[:, -1].repeat_interleave(n, dim=0)  # (N, V)
-        mask = mask.repeat_interleave(n, dim=0)
-        next_pos = positions[:, -1].repeat_interleave(n) + 1
-        decoder = self.decoder(cache, n, Lp + T, mask, next_pos, capture and self.can_capture)
+        cache, logits, mask, next_pos = _prefill(model, prompt_ids, n, pad_id, device)
+        extras = extras & self.extras
+        decoder = self.decoder(cache, n, Lp + T, mask, next_pos, "projections" in extras)
 
         tokens = torch.full((N, T), pad_id, dtype=torch.long, device=device)
         logps = torch.zeros(N, T, device=device)
-        # what the update's head can take of each sampling distribution (SampledHead)
-        head = (torch.zeros(2, N, T, device=device) if head_stats and params.top_k == 0
+        # what the update's head can take of each sampling distribution
+        head = (torch.zeros(2, N, T, device=device) if "head_stats" in extras
+                and params.top_k == 0
                 and params.top_p >= 1.0 and params.temperature > 0 else None)
         done = torch.zeros(N, dtype=torch.bool, device=device)
         end = torch.full((N,), T - 1, dtype=torch.long, device=device)  # last step of each row
@@ -254,26 +298,10 @@ class DecodingEngine(RolloutEngine):
             u = None
             if uniforms is not None:
                 u = uniforms[:, t] if active is None else uniforms[active, t]
-            if head is None:
-                (tok, lp), st = sample_tokens(logits, params, generator, u), None
-            else:
-                tok, lp, st = sample_tokens(logits, params, generator, u, stats=True)
-            if active is None:
-                tokens[:, t], logps[:, t] = tok, lp
-            else:
-                tokens[active, t], logps[active, t] = tok, lp
-            if st is None:
-                head = None
-            else:
-                head[:, slice(None) if active is None else active, t] = torch.stack(st)
+            tok, head = _draw(logits, params, generator, u, t, active, tokens, logps, head)
             steps = t + 1
-            finished = tok == eos_id
-            if stop:
-                rows = range(N) if active is None else active.tolist()
-                for j, row in enumerate(rows):
-                    if not finished[j]:
-                        text = tokenizer.decode(tokens[row, :t + 1], skip_special_tokens=True)
-                        finished[j] = any(s in text for s in stop)
+            finished = _finished(tok, eos_id, stop, tokenizer, tokens[:, :t + 1],
+                                 range(N) if active is None else active.tolist())
             if finished.any():  # the loop's one host sync per step
                 rows = finished.nonzero().squeeze(-1) if active is None else active[finished]
                 done[rows] = True
@@ -290,16 +318,18 @@ class DecodingEngine(RolloutEngine):
         model.train(was_training)
         activations = decoder.activations(steps, end.clamp_max(steps - 1))
         if head is not None:
-            head = _sampled_head(head[:, :, :steps], end.clamp_max(steps - 1))
-
+            head = _head_stats(head[:, :, :steps], end.clamp_max(steps - 1))
         rollout = self._finish(prompt_ids, n, tokens[:, :steps], logps[:, :steps], done, end,
-                               params.stop, activations)
-        rollout.head = head
+                               params.stop)
+        if activations is not None or head is not None:  # the one door to the update
+            from posttrain.fast.cache import SamplerCache, policy_version
+
+            rollout.cache = SamplerCache(activations, head, policy_version(model))
         return rollout
 
     def _finish(self, prompt_ids: list[list[int]], n: int, tokens: torch.Tensor,
                 logps: torch.Tensor, done: torch.Tensor, end: torch.Tensor,
-                stop: tuple[str, ...], activations) -> Rollout:
+                stop: tuple[str, ...]) -> Rollout:
         """The :class:`Rollout` of the sampled ``tokens`` / ``logps`` ``(N, steps)``: a row's
         completion runs up to and including the token that finished it (its first eos or the
         one completing a stop string), else to the end; it is pad from there on."""
@@ -319,4 +349,4 @@ class DecodingEngine(RolloutEngine):
         return Rollout(prompt_ids=[x for x in prompt_ids for _ in range(n)],
                        completion_ids=tokens, completion_mask=completion_mask, logprobs=logps,
                        truncated=~done, group_ids=torch.arange(P).repeat_interleave(n),
-                       texts=texts, activations=activations)
+                       texts=texts)

@@ -11,7 +11,7 @@ class LeanEngine(DecodingEngine):
     """Decode with :class:`LeanLlamaDecoder`; only for models it supports."""
 
     name = "lean"
-    can_capture = True
+    extras = frozenset({"projections", "head_stats"})
 
     @staticmethod
     def supports(model) -> bool:

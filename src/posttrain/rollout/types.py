@@ -45,14 +45,11 @@ class Rollout:
     """(N,) index of the prompt each sample came from."""
     texts: list[str]
     """Decoded completions without special tokens (cut at a stop string)."""
-    activations: Any = None
-    """The outputs of the policy's projections at each completion position, saved while
-    sampling (``capture=True`` on an engine that can: ``posttrain.fast.replay``'s
-    ``DecodeActivations``); None when not captured. Opaque here: rows are selected with its
-    ``rows`` and rounds joined with its ``concat``."""
-    head: Any = None
-    """The log-sum-exp and entropy of the distribution each token was sampled from
-    (``head_stats=True``, plain sampling: :class:`SampledHead`); None otherwise."""
+    cache: Any = None
+    """What the engine computed while sampling that the update may reuse (an opaque,
+    version-checked ``posttrain.fast.cache.SamplerCache``, asked for with ``extras``); None
+    when nothing was kept. Rows are selected with its ``rows``, rounds joined with its
+    ``concat``; nothing here looks inside."""
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -65,8 +62,7 @@ def select(r: Rollout, rows: torch.Tensor) -> Rollout:
                    completion_mask=r.completion_mask[rows], logprobs=r.logprobs[rows],
                    truncated=r.truncated[rows], group_ids=r.group_ids[rows],
                    texts=[r.texts[i] for i in idx],
-                   activations=None if r.activations is None else r.activations.rows(rows),
-                   head=None if r.head is None else r.head.rows(rows))
+                   cache=None if r.cache is None else r.cache.rows(rows))
 
 def concat(rollouts: list[Rollout], pad_id: int, width: int = 0) -> Rollout:
     """One rollout from several; completions are re-padded to the longest (or ``width``
@@ -89,38 +85,15 @@ def concat(rollouts: list[Rollout], pad_id: int, width: int = 0) -> Rollout:
         truncated=torch.cat([r.truncated for r in rollouts]),
         group_ids=torch.cat(groups),
         texts=[t for r in rollouts for t in r.texts],
-        activations=_concat_activations([r.activations for r in rollouts], T),
-        head=_concat_activations([r.head for r in rollouts], T))
+        cache=_concat_caches([r.cache for r in rollouts], T))
 
 
-def _concat_activations(parts: list, T: int):
-    """The rounds' activations (or head statistics) as one (their own ``concat``), or None
-    unless every round has them."""
+def _concat_caches(parts: list, T: int):
+    """The rounds' caches as one (their own ``concat``), or None unless every round has
+    one."""
     if not parts or any(p is None for p in parts):
         return None
     return type(parts[0]).concat(parts, T)
-
-@dataclass
-class SampledHead:
-    """What the sampler knew of each distribution it drew a completion token from:
-    ``stats`` ``(2, N, Tc)``, the log-sum-exp and the entropy of the tempered logits, aligned
-    with ``Rollout.logprobs`` (zero past a sample's end), and ``version``, the sampling
-    policy's optimiser-step count (``posttrain.fast.replay.policy_version``, stamped by the
-    trainer). The update's head uses them in place of its own forward matmul while the
-    policy is that version."""
-
-    stats: torch.Tensor
-    version: int = 0
-
-    def rows(self, rows) -> SampledHead:
-        return SampledHead(self.stats[:, rows], self.version)
-
-    @classmethod
-    def concat(cls, parts: list[SampledHead], T: int) -> SampledHead | None:
-        if len({p.version for p in parts}) > 1:
-            return None
-        return cls(torch.cat([torch.nn.functional.pad(p.stats, (0, T - p.stats.shape[-1]))
-                              for p in parts], 1), parts[0].version)
 
 
 def cut_at_stop(text: str, stop: tuple[str, ...]) -> str:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 
 from posttrain import data as data_mod
-from posttrain.fast.replay import StaleActivations, policy_version
 from posttrain.models import (
     completion_hidden,
     completion_logprobs,
@@ -21,29 +20,17 @@ from posttrain.models import (
     value_head,
 )
 from posttrain.rollout import Rollout
-from posttrain.rollout.types import SampledHead
-
-
-def _sampled_for(head: SampledHead, model, rows: torch.Tensor) -> torch.Tensor:
-    """The sampler's statistics of ``rows`` ``(2, len(rows), Lc)`` for ``model``, which must
-    be the policy as it sampled them."""
-    now = policy_version(model)
-    if now != head.version:
-        raise StaleActivations(f"sampler head statistics of policy version {head.version} "
-                               f"offered to version {now}: the policy changed since "
-                               "sampling, so they must be recomputed")
-    return head.stats[:, rows]
 
 
 class TokenBatch:
     """A step's samples in the completion layout (see the module docstring).
 
-    ``activations`` are the rollout's saved linear-layer outputs (shared-prompt layout only),
-    taken over from the rollout (which no longer holds them, so that they are freed as soon
-    as they are used up): while the policy is unchanged since sampling, its passes with
-    ``replay=True`` take them instead of recomputing (``posttrain.fast.replay``, which
-    refuses them once the policy has taken an optimiser step). The pass that precedes a
-    change of the policy releases them (``last_replay``).
+    ``cache`` is the rollout's sampler cache (shared-prompt layout only; opaque here:
+    ``posttrain.fast.cache``), taken over from the rollout (which no longer holds it, so
+    that it is freed as soon as it is used up): while the policy is unchanged since
+    sampling, its passes with ``reuse=True`` take what it holds instead of recomputing it
+    (the cache refuses once the policy has taken an optimiser step). The pass that precedes
+    a change of the policy releases it (``last_use``).
     """
 
     def __init__(self, rollout: Rollout, pad_id: int, device, share_prompt: bool,
@@ -53,13 +40,8 @@ class TokenBatch:
         old and reference log-probs are of the distribution that sampled (top-k / top-p
         truncation is not applied: the sampler's log-probs include it)."""
         self.share = share_prompt
-        self.activations = rollout.activations if share_prompt else None
-        rollout.activations = None
-        self.head = rollout.head if share_prompt else None
-        """The sampler's log-sum-exp and entropy per token (``SampledHead``), used like the
-        activations (``replay``) but in packed batches too."""
-        if self.head is not None:
-            self.head = SampledHead(self.head.stats.to(device), self.head.version)
+        self.cache = rollout.cache.to(device) if share_prompt and rollout.cache else None
+        rollout.cache = None
         self.completion_ids = rollout.completion_ids.to(device)
         self.completion_mask = rollout.completion_mask.to(device)
         if share_prompt:
@@ -87,12 +69,12 @@ class TokenBatch:
         """One packing decision for the whole batch (see :func:`shared_prompt_logprobs`), so
         the old, reference, critic and update passes all take the same path and the first
         update's ratio is exactly 1 in any precision. A packed call replays nothing, so the
-        sampler's saved outputs are dropped then."""
+        sampler's saved projections are dropped then."""
         if self.packed is None:
             self.packed = packing_pays(model, self.prompt_mask, self.completion_mask,
                                      self.prompt_index)
-            if self.packed:
-                self.activations = None
+            if self.packed and self.cache is not None:
+                self.cache = self.cache.without_projections()
         return self.packed
 
     def _shared(self, model, rows: torch.Tensor) -> tuple[tuple, dict]:
@@ -104,24 +86,22 @@ class TokenBatch:
         return args, {"prompt_index": index, "packed": self._packed_for(model)}
 
     def logprobs(self, model, rows: torch.Tensor, with_entropy: bool = False,
-                 replay: bool = False, last_replay: bool = False):
+                 reuse: bool = False, last_use: bool = False):
         """Log-probs (and entropy) of the completions of ``rows``, ``(len(rows), Lc)``.
-        ``replay``: ``model`` is the policy that sampled the rollout, unchanged since; its
-        saved linear-layer outputs are used if there are any. ``last_replay``: and this is
-        their last use, so they are released first (what the backward does not need of them
-        is freed layer by layer during the forward)."""
+        ``reuse``: ``model`` is the policy that sampled the rollout, unchanged since; what
+        the sampler's cache holds is used if there is one. ``last_use``: and this is its
+        last use, so it is released first (what the backward does not need of the saved
+        projections is freed layer by layer during the forward)."""
         if self.share:
             args, kw = self._shared(model, rows)
-            if replay and self.head is not None:
-                kw["sampled"] = _sampled_for(self.head, model, rows)
-                if last_replay:
-                    self.head = None
-            if replay and self.activations is not None:
-                saved = self.activations
-                if last_replay:
-                    self.activations = None
-                kw["replay"] = saved.rows(rows).replay(model, self.completion_ids.shape[1])
-                del saved
+            if reuse and self.cache is not None:
+                cache = self.cache
+                if last_use:
+                    self.cache = None
+                got = cache.take(model, rows, self.completion_ids.shape[1],
+                                 replay=not kw["packed"])
+                del cache
+                kw["replay"], kw["known_head"] = got.replay, got.head
             return shared_prompt_logprobs(model, *args, with_entropy=with_entropy,
                                           temperature=self.temperature, **kw)
         out = completion_logprobs(model, self.full["input_ids"][rows],
@@ -138,10 +118,10 @@ class TokenBatch:
         res = [torch.where(mask, x.gather(1, cols), 0.0) for x in outs]
         return tuple(res) if with_entropy else res[0]
 
-    def release_sampler_outputs(self) -> None:
-        """Drop the sampler's saved outputs and head statistics (the policy has moved; a
-        rank whose rows of a minibatch were all dead never made the releasing call)."""
-        self.activations = self.head = None
+    def release_sampler_cache(self) -> None:
+        """Drop the sampler's cache (the policy has moved; a rank whose rows of a minibatch
+        were all dead never made the releasing call)."""
+        self.cache = None
 
     def values(self, critic, rows: torch.Tensor) -> torch.Tensor:
         """The critic's ``V(x, y_<t)`` for each completion token of ``rows``,

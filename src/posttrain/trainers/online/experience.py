@@ -15,10 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from posttrain import dist
-from posttrain.builtin import task as builtin_task
 from posttrain.core import RunningMoments, groups_with_signal, overlong_penalty
 from posttrain.core.algorithms import Algorithm
-from posttrain.fast.replay import policy_version
 from posttrain.rewards import reward_columns
 from posttrain.rewards import score as score_rewards
 from posttrain.rollout import Rollout, RolloutEngine, SamplingParams, concat, select
@@ -44,7 +42,7 @@ class Experience:
     """Completion tokens sampled, every round's (those of dropped groups too)."""
     local: Rollout | None = None
     """This rank's samples (rows ``own`` of ``rollout``, with the projections' outputs
-    when captured); ``rollout`` itself in a world of one."""
+    when kept); ``rollout`` itself in a world of one."""
     own: torch.Tensor | None = None
     """(n,) the rows of ``rollout`` this rank sampled, ascending."""
 
@@ -54,18 +52,20 @@ class ExperienceMaker:
     running score moments (both resumable)."""
 
     def __init__(self, cfg, algo: Algorithm, engine: RolloutEngine, tokenizer, rewards,
-                 train_rows: list[dict], generator: torch.Generator):
+                 train_rows: list[dict], generator: torch.Generator, accuracy=None):
         self.cfg, self.algo, self.engine, self.tok = cfg, algo, engine, tokenizer
         self.rewards, self.train_rows, self.gen = rewards, train_rows, generator
+        self.accuracy = accuracy
+        """``f(prompts, completions, **columns) -> list[float]`` whose value ≥ 1 counts a
+        sample correct (the task's own check, whatever the training reward), or None: the
+        first reward term's."""
         stop = tuple(s for s in (cfg.stop or "").split(",") if s)
         self.params = SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k,
                                      cfg.max_new_tokens, stop)
         self.score_moments = RunningMoments()
         self.order: list[int] = []
-        self.capture = False
-        """Whether the next rollouts keep their projections' outputs for replay."""
-        self.head_stats = False
-        """Whether they keep each sampling distribution's log-sum-exp and entropy."""
+        self.extras: frozenset[str] = frozenset()
+        """What the next rollouts keep for the update to reuse (the engine's ``extras``)."""
 
     def next_rows(self, n: int) -> list[dict]:
         out = []
@@ -91,10 +91,10 @@ class ExperienceMaker:
         return total, terms, valid, correct
 
     def correct(self, prompts, completions, columns, terms) -> torch.Tensor:
-        """Task accuracy per sample: on the built-in task its exact-answer check (whatever
-        the training reward, e.g. a reward model); otherwise the first reward term ≥ 1."""
-        if self.cfg.data is None:
-            return torch.tensor(builtin_task.reward(prompts, completions, **columns)) >= 1
+        """Task accuracy per sample: the ``accuracy`` check when there is one (whatever the
+        training reward, e.g. a reward model); otherwise the first reward term ≥ 1."""
+        if self.accuracy is not None:
+            return torch.tensor(self.accuracy(prompts, completions, **columns)) >= 1
         return next(iter(terms.values())).nan_to_num() >= 1
 
     def collect(self, step: int) -> Experience:
@@ -114,33 +114,18 @@ class ExperienceMaker:
             uniforms = uniforms.view(want, G, -1)[slots].flatten(0, 1)
             t0 = time.perf_counter()
             local = self.engine.generate([rows[j]["prompt"] for j in slots], G, self.params,
-                                         capture=self.capture, uniforms=uniforms,
-                                         head_stats=self.head_stats)
-            if local.head is not None:  # the weights they belong to
-                local.head.version = policy_version(self.engine.model)
+                                         uniforms=uniforms, extras=self.extras)
             t1 = time.perf_counter()
             scored = self.score([rows[j] for j in slots], local)
             t_gen, t_reward = t_gen + t1 - t0, t_reward + time.perf_counter() - t1
             rollout, (total, terms, valid, correct), own = self._gather(local, scored, slots)
             sampled += int(rollout.lengths.sum())
             if self.algo.dynamic_sampling:
-                signal = groups_with_signal(total, rollout.group_ids)
-                groups = rollout.group_ids[signal].unique()[: want - kept]
-                keep = torch.isin(rollout.group_ids, groups).nonzero().squeeze(-1)
-                dropped += len(rows) - int(signal.view(-1, G).any(-1).sum())
-                rollout = select(rollout, keep)
-                if dist.world_size() > 1:  # this rank's kept rows (one process: all of them)
-                    mine = torch.zeros(len(total), dtype=torch.bool)
-                    mine[own] = True
-                    position = torch.full((len(total),), -1, dtype=torch.long)
-                    position[own] = torch.arange(len(own))
-                    local = select(local, position[keep[mine[keep]]])
-                    own = mine[keep].nonzero().squeeze(-1)
-                else:
-                    own = torch.arange(len(keep))
-                total, valid, correct = total[keep], valid[keep], correct[keep]
-                terms = {k: v[keep] for k, v in terms.items()}
-                kept += len(groups)
+                n_groups = len(rows)
+                rollout, (total, terms, valid, correct), local, own, n_kept = self._with_signal(
+                    rollout, (total, terms, valid, correct), local, own, want - kept)
+                dropped += n_groups - n_kept[1]
+                kept += n_kept[0]
             else:
                 kept += len(rows)
             parts.append((rollout, total, terms, valid, correct))
@@ -164,18 +149,41 @@ class ExperienceMaker:
                           torch.cat([p[3] for p in parts]), torch.cat([p[4] for p in parts]),
                           rounds, dropped, t_gen, t_reward, sampled, local, torch.cat(owns))
 
+    def _with_signal(self, rollout: Rollout, scored: tuple, local: Rollout,
+                     own: torch.Tensor, room: int):
+        """Dynamic sampling's filter of one round: its groups whose rewards differ (at most
+        ``room`` of them), with their scores, this rank's part of them and its rows; and
+        ``(groups kept, groups with a signal)``."""
+        total, terms, valid, correct = scored
+        G = self.cfg.group_size
+        signal = groups_with_signal(total, rollout.group_ids)
+        groups = rollout.group_ids[signal].unique()[:room]
+        keep = torch.isin(rollout.group_ids, groups).nonzero().squeeze(-1)
+        if dist.world_size() > 1:  # this rank's kept rows (one process: all of them)
+            mine = torch.zeros(len(total), dtype=torch.bool)
+            mine[own] = True
+            position = torch.full((len(total),), -1, dtype=torch.long)
+            position[own] = torch.arange(len(own))
+            local = select(local, position[keep[mine[keep]]])
+            own = mine[keep].nonzero().squeeze(-1)
+        else:
+            own = torch.arange(len(keep))
+        scored = (total[keep], {k: v[keep] for k, v in terms.items()}, valid[keep],
+                  correct[keep])
+        with_signal = int(signal.view(-1, G).any(-1).sum())
+        return select(rollout, keep), scored, local, own, (len(groups), with_signal)
+
     def _gather(self, local: Rollout, scored: tuple, slots: list[int]):
         """The round's samples of every rank in slot order (the order one process samples
-        them in), without the projections' outputs (they stay with ``local``); the scores
+        them in), without the sampler's cache (it stays with ``local``); the scores
         ``(total, terms, valid, correct)``; and the rows of this rank's samples."""
         G = self.cfg.group_size
         own = (torch.tensor(slots)[:, None] * G + torch.arange(G)).flatten()
         if dist.world_size() == 1:
             return local, scored, own
-        (activations, head), local.activations, local.head = (local.activations,
-                                                              local.head), None, None
+        cache, local.cache = local.cache, None
         gathered = dist.gather_objects((local, scored))
-        local.activations, local.head = activations, head
+        local.cache = cache
         world, want = dist.world_size(), self.cfg.prompts_per_step
         # rank r's k-th group is slot k·world + r
         order = sorted(range(want), key=lambda j: (j % world, j // world))

@@ -39,8 +39,9 @@ from posttrain.config import ConfigError, PPOConfig, RLConfig
 from posttrain.core import AdaptiveKLController, FixedKLController
 from posttrain.core.algorithms import compute_advantages
 from posttrain.evaluate import greedy_completions
+from posttrain.fast import eligibility
+from posttrain.fast.cache import track_policy_version
 from posttrain.fast.compile import compile_models
-from posttrain.fast.replay import can_replay, has_dropout, track_policy_version
 from posttrain.models import (
     decide_share_prompt,
     load_reward_model,
@@ -49,11 +50,11 @@ from posttrain.models import (
     save_model,
     value_head,
 )
-from posttrain.models import logprobs as model_logprobs
 from posttrain.rewards import parse_rewards, reward_columns, score
 from posttrain.rollout import make_engine
 from posttrain.trainers import loop, trained
-from posttrain.trainers.loop import Job, Optim, StepResult
+from posttrain.trainers.loop.job import Job, StepResult
+from posttrain.trainers.loop.optim import Optim
 from posttrain.trainers.online.batch import TokenBatch
 from posttrain.trainers.online.experience import ExperienceMaker
 from posttrain.trainers.online.metrics import logprob_gap, step_metrics
@@ -82,16 +83,8 @@ class RLTrainer(Job):
         self.policy = trained.load_trained(cfg, resume, lambda name: trained.load_policy(
             cfg, name, trained=True))
         self.sharded = cfg.parallel == "fsdp"
-        # sharded: the engine samples from a plain copy of the policy (in the run's dtype,
-        # not FSDP's masters'; LoRA: the base's frozen weights shared, the adapted layers
-        # merged), refreshed every step. Unsharded LoRA samples from the policy itself (the
-        # lean decoder merges the adapters into its per-call weights).
         self.merged = self.sharded and lora.is_adapted(self.policy)
-        self.sampler = self.policy
-        if self.merged:
-            self.sampler = lora.plain_copy(self.policy).eval()
-        elif self.sharded:
-            self.sampler = copy.deepcopy(self.policy).to(getattr(torch, cfg.dtype)).eval()
+        self.sampler = self._sampler()
         self.device = next(self.policy.parameters()).device
         self.share_prompt = decide_share_prompt(cfg.share_prompt, self.policy, cfg.group_size)
         self.ref = None
@@ -112,43 +105,47 @@ class RLTrainer(Job):
             self.engine = make_engine(cfg.rollout_backend, self.sampler, self.tok, cfg.fast)
         except ValueError as e:  # a backend that cannot run this model
             raise ConfigError(str(e)) from None
+        # the built-in task's exact-answer check is its accuracy, whatever the reward
+        accuracy = builtin_task.reward if cfg.data is None else None
         self.experience = ExperienceMaker(cfg, self.algo, self.engine, self.tok, self.rewards,
-                                          self.train_rows, self.gen)
+                                          self.train_rows, self.gen, accuracy)
         self.compiled = compile_models(cfg, [self.policy, self.ref, self.critic], self.device)
         self.policy = trained.shard_trained(cfg, self.policy)
         if self.critic is not None:
             self.critic = trained.shard_trained(cfg, self.critic)
-        rows = cfg.fast and cfg.sparse_embedding_grad
-        self.optimizers = [Optim("policy", self.policy, cfg.lr, cfg.weight_decay,
-                                 cfg.max_grad_norm, cfg.on_nonfinite, rows)]
-        track_policy_version(self.policy, self.optimizers[0].opt)
-        if self.critic is not None:
-            self.optimizers.append(Optim("critic", self.critic, cfg.critic_lr,
-                                         cfg.weight_decay, cfg.max_grad_norm,
-                                         cfg.on_nonfinite, rows))
+        self.optimizers = self._optimizers()
         self.step_num = 0
-        # replay of the sampler's projections: the shared-prompt two-call layout, an engine
-        # that captures, a policy it can replay, no compile, not sharded
-        self.reuse_rollout_forward = (cfg.fast and cfg.reuse_rollout_forward
-                                      and self.share_prompt and self.engine.can_capture
-                                      and not self.compiled and not self.sharded
-                                      and can_replay(self.policy))
-        self.experience.capture = self.reuse_rollout_forward
-        # the sampler's head statistics stand in for the head's forward in the passes
-        # before the first optimizer step, packed or not (unsharded, the engine samples the
-        # policy itself)
-        self.experience.head_stats = bool(cfg.fast and cfg.reuse_rollout_forward
-                                          and self.share_prompt and not self.sharded
-                                          and not has_dropout(self.policy)
-                                          and self._head_fuses())
+        # what the engine keeps for the update to reuse, decided once
+        self.reuse = eligibility.plan(cfg, self.policy, self.engine,
+                                      share_prompt=self.share_prompt, compiled=self.compiled,
+                                      sharded=self.sharded)
         self.packed = False
         """Whether the last batch's shared-prompt passes were packed into one call."""
+        self.experience.extras = self.reuse.extras(self.packed)
 
-    def _head_fuses(self) -> bool:
-        """Whether a micro-batch of full-length completions reaches the fused head (only
-        there do the sampler's head statistics save a matmul; below it they cost time)."""
-        rows = min(self.cfg.micro_batch_size, self.cfg.prompts_per_step * self.cfg.group_size)
-        return model_logprobs.fusable_head(self.policy, rows * self.cfg.max_new_tokens) is not None
+    def _sampler(self):
+        """What the engine samples from. Sharded: a plain copy of the policy (in the run's
+        dtype, not FSDP's masters'; LoRA: the base's frozen weights shared, the adapted
+        layers merged), refreshed every step. Otherwise the policy itself (with LoRA the
+        lean decoder merges the adapters into its per-call weights)."""
+        if self.merged:
+            return lora.plain_copy(self.policy).eval()
+        if self.sharded:
+            return copy.deepcopy(self.policy).to(getattr(torch, self.cfg.dtype)).eval()
+        return self.policy
+
+    def _optimizers(self) -> list[Optim]:
+        """The policy's AdamW (its steps move the policy version the sampler cache checks)
+        and the critic's."""
+        cfg = self.cfg
+        rows = cfg.fast and cfg.sparse_embedding_grad
+        out = [Optim("policy", self.policy, cfg.lr, cfg.weight_decay, cfg.max_grad_norm,
+                     cfg.on_nonfinite, rows)]
+        track_policy_version(self.policy, out[0].opt)
+        if self.critic is not None:
+            out.append(Optim("critic", self.critic, cfg.critic_lr, cfg.weight_decay,
+                             cfg.max_grad_norm, cfg.on_nonfinite, rows))
+        return out
 
     def _rows(self) -> tuple[list[dict], list[dict]]:
         """Training and held-out prompts, each checked against max_length."""
@@ -236,17 +233,14 @@ class RLTrainer(Job):
         scores = self.experience.shape_scores(exp.scores, exp.rollout, exp.valid).to(self.device)
         adv, returns = compute_advantages(algo, scores, self._group_ids(exp).to(self.device),
                                           mask, old, ref, old_values)
-        skip = (algo.zero_advantage_zero_gradient and cfg.skip_zero_advantage
-                and self.critic is None)
+        skip = algo.zero_advantage_zero_gradient and self.critic is None
         live = ((adv != 0).any(-1) if skip else mask.any(-1)) & valid
         # 4. update (the policy waits while the critic warms up)
         train_policy = step > getattr(cfg, "critic_warmup_steps", 0)
         recorded = None if old is not None else (torch.zeros_like(mask),
                                                  torch.zeros_like(valid))
-        local_of = torch.full((len(mask),), -1, dtype=torch.long, device=self.device)
-        own = exp.own.to(self.device)
-        local_of[own] = own if self.sharded else torch.arange(len(own), device=self.device)
-        x = UpdateInputs(mask, adv, old, ref, old_values, returns, live, local_of, recorded)
+        x = UpdateInputs(mask, adv, old, ref, old_values, returns, live, self._local_of(exp),
+                         recorded)
         critic_opt = self.optimizers[1] if self.critic is not None else None
         sums, n_steps, n_critic = run_updates(
             self.policy, self.critic, algo, tokens, x,
@@ -257,15 +251,7 @@ class RLTrainer(Job):
             recorded = (dist.assemble(recorded[0][own], own, len(mask)),
                         dist.assemble(recorded[1][own].float(), own, len(mask)).bool())
         # 5. the sampler follows the policy; metrics
-        if self.merged:  # gathered from the shards
-            lora.merge_into(self.sampler, self.policy)
-        elif self.sharded:
-            sharding.copy_full_weights(self.sampler, self.policy)
-        self.engine.update_weights(self.sampler)
-        # a batch packed into one call replays nothing, so the next rollouts need not
-        # capture (batches of a run are alike)
-        self.packed = bool(self.share_prompt and tokens is not None and tokens.packed)
-        self.experience.capture = self.reuse_rollout_forward and not self.packed
+        self._sync_sampler(tokens)
         times = {"generate": exp.generate_s, "reward": exp.reward_s,
                  "passes": t_passes - t0, "update": t_update - t_passes}
         record, kl = step_metrics(cfg, algo, exp, tokens, scores, mask, valid, old, ref,
@@ -278,6 +264,26 @@ class RLTrainer(Job):
         if kl is not None and train_policy:  # while the critic warms up the policy is the ref
             self.kl_ctl.update(kl, int(valid.sum()))
         return StepResult(values=record, tokens=exp.sampled_tokens)
+
+    def _local_of(self, exp) -> torch.Tensor:
+        """Each of the step's rows' index in this rank's token batch, -1 for another
+        rank's (sharded, the batch holds every row)."""
+        local_of = torch.full((len(exp.valid),), -1, dtype=torch.long, device=self.device)
+        own = exp.own.to(self.device)
+        local_of[own] = own if self.sharded else torch.arange(len(own), device=self.device)
+        return local_of
+
+    def _sync_sampler(self, tokens: TokenBatch | None) -> None:
+        """The engine's weights follow the policy's; and what the next rollouts keep for the
+        update follows this batch's layout (a batch packed into one call replays nothing,
+        so the next need not keep the projections; batches of a run are alike)."""
+        if self.merged:  # gathered from the shards
+            lora.merge_into(self.sampler, self.policy)
+        elif self.sharded:
+            sharding.copy_full_weights(self.sampler, self.policy)
+        self.engine.update_weights(self.sampler)
+        self.packed = bool(self.share_prompt and tokens is not None and tokens.packed)
+        self.experience.extras = self.reuse.extras(self.packed)
 
     def _passes(self, algo, tokens: TokenBatch | None, own: torch.Tensor, mask: torch.Tensor):
         """Old log-probs (None when the first update's ratio is exactly 1 and no reward KL
@@ -302,7 +308,7 @@ class RLTrainer(Job):
             return dist.assemble(local.float(), own, len(mask))
 
         with torch.no_grad():
-            old = (whole(self.policy, lambda m, r: tokens.logprobs(m, r, replay=True))
+            old = (whole(self.policy, lambda m, r: tokens.logprobs(m, r, reuse=True))
                    if several_updates or algo.reward_kl_coef != 0 else None)
             old_values = whole(self.critic, lambda m, r: tokens.values(m, r))
         ref = None
@@ -366,10 +372,10 @@ class RLTrainer(Job):
         self.kl_ctl.value = float(meta["kl_coef"])
         self.experience.score_moments.load_state_dict(meta["score_moments"])
         self.experience.order = [int(i) for i in meta["order"]]
-        # whether the next rollouts capture follows the last batch's layout, as it would
-        # have in the run that was not interrupted
+        # what the next rollouts keep follows the last batch's layout, as it would have in
+        # the run that was not interrupted
         self.packed = bool(meta["packed"])
-        self.experience.capture = self.reuse_rollout_forward and not self.packed
+        self.experience.extras = self.reuse.extras(self.packed)
 
     def close(self) -> None:
         self.engine.close()

@@ -12,7 +12,7 @@ import torch
 from posttrain import dist, sharding
 from posttrain.core import aggregate_loss, masked_mean, step_normalizer, value_loss
 from posttrain.core.algorithms import Algorithm, policy_objective
-from posttrain.trainers.loop import Optim
+from posttrain.trainers.loop.optim import Optim
 from posttrain.trainers.online.batch import TokenBatch
 
 
@@ -77,10 +77,10 @@ def accumulate_policy_gradient(policy, algo: Algorithm, tokens: TokenBatch, mask
         if not len(mb):
             _keep_step(lambda: tokens.logprobs(policy, idx[:1]))
             continue
-        # the last micro-batch is the sampler's outputs' last use: the optimizer step that
+        # the last micro-batch is the sampler cache's last use: the optimizer step that
         # follows changes the policy
-        lp, ent = tokens.logprobs(policy, local_of[mb], with_entropy=True, replay=True,
-                                  last_replay=i + micro_batch_size >= len(rows))
+        lp, ent = tokens.logprobs(policy, local_of[mb], with_entropy=True, reuse=True,
+                                  last_use=i + micro_batch_size >= len(rows))
         old_mb = lp.detach() if old is None else old[mb]
         if recorded is not None:
             recorded[0][mb], recorded[1][mb] = old_mb.to(recorded[0].dtype), True
@@ -171,8 +171,8 @@ def run_updates(policy, critic, algo: Algorithm, tokens: TokenBatch, x: UpdateIn
                     cfg.max_new_tokens, x.recorded))
                 norm["grad_norm"] = policy_opt.step()
                 n_steps += 1
-                if tokens is not None:  # the policy moved: what the sampler saved is stale
-                    tokens.release_sampler_outputs()
+                if tokens is not None:  # the policy moved: the sampler's cache is stale
+                    tokens.release_sampler_cache()
             if critic is not None:
                 m.update(accumulate_value_gradient(critic, algo, tokens, x.mask, idx,
                                                    x.old_values, x.returns, live, x.local_of,

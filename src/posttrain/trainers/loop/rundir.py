@@ -18,7 +18,7 @@ from pathlib import Path
 
 from posttrain import config as config_mod
 from posttrain.config import ConfigError
-from posttrain.trainers import checkpoint as ckpt
+from posttrain.trainers.loop import checkpoint as ckpt
 
 
 def output_dir(cfg) -> Path:
