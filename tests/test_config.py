@@ -247,15 +247,19 @@ def test_every_field_of_the_algorithm_record_is_a_key():
     fields = {f.name for f in dataclasses.fields(Algorithm)} - {"name", "critic"}
     assert set(ALGORITHM_KEYS) == fields
     assert fields <= {f.name for f in dataclasses.fields(PPOConfig)}
-    cfg = config.load(RLConfig, None, ["--algo", "grpo", "--dual_clip", "3", "--kl_estimator",
-                                       "k1", "--aggregation", "token_mean", "--policy_loss",
-                                       "gspo_token", "--dynamic_sampling", "true"])
+    cfg = config.load(RLConfig, None, ["--algo", "gspo", "--policy_loss", "ppo_clip",
+                                       "--dual_clip", "3", "--kl_coef", "0.1",
+                                       "--kl_estimator", "k1", "--aggregation", "token_mean",
+                                       "--dynamic_sampling", "true"])
     cfg.validate()
     algo = cfg.algorithm()
     assert (algo.dual_clip, algo.kl_estimator, algo.aggregation, algo.policy_loss,
-            algo.dynamic_sampling) == (3.0, "k1", "token_mean", "gspo_token", True)
+            algo.dynamic_sampling) == (3.0, "k1", "token_mean", "ppo_clip", True)
     for bad, needle in ((["--dual_clip", "1"], "dual_clip must be > 1"),
                         (["--kl_estimator", "k9"], "unknown KL estimator"),
-                        (["--advantage", "gae"], "GAE needs a critic")):
+                        (["--advantage", "gae"], "GAE needs a critic"),
+                        (["--algo", "gspo", "--dual_clip", "3"], "unknown key 'dual_clip'"),
+                        (["--algo", "dapo", "--kl_estimator", "k1"],
+                         "unknown key 'kl_estimator'")):
         with pytest.raises(ConfigError, match=needle):
             config.load(RLConfig, None, bad).validate()

@@ -168,6 +168,12 @@ class RLConfig(RunConfig):
         for key in ("kl_coef", "reward_kl_coef", "clip_low", "clip_high"):
             value = getattr(self, key)
             check(value is None or value >= 0, f"{key} must be ≥ 0, got {value}")
+        if "dual_clip" not in algo.loss.reads:
+            self.refuse(("dual_clip",), f"{self.algo}'s policy loss {algo.policy_loss}, "
+                        "which has no dual clip")
+        if algo.kl_coef == 0:
+            self.refuse(("kl_estimator",), f"{self.algo} without a KL term in the loss "
+                        "(kl_coef 0)")
         if not algo.dynamic_sampling:
             self.refuse(("dynamic_sampling_rounds",),
                         f"{self.algo}, which has no dynamic sampling")

@@ -219,6 +219,8 @@ class PolicyLoss:
     """A sample whose advantage is 0 on every token gets no gradient from it (true of any
     loss of the form −A·f(ratio)); false for a loss with a term that does not vanish with A
     (an entropy bonus, say), so the update never skips such samples."""
+    reads: frozenset[str] = frozenset({"clip_low", "clip_high"})
+    """The record's fields it reads (a config key for one it does not read is refused)."""
 
 
 _BASE = frozenset({"scores", "group_ids", "response_mask"})
@@ -281,7 +283,8 @@ ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {
 POLICY_LOSSES: dict[str, PolicyLoss] = {
     "ppo_clip": PolicyLoss(lambda algo, x: ppo_clip_loss(
         x.logprobs, x.old_logprobs, x.advantages, x.response_mask, algo.clip_low,
-        algo.clip_high, algo.dual_clip)),
+        algo.clip_high, algo.dual_clip), reads=frozenset({"clip_low", "clip_high",
+                                                         "dual_clip"})),
     "gspo": PolicyLoss(lambda algo, x: gspo_loss(
         x.logprobs, x.old_logprobs, x.advantages, x.response_mask, algo.clip_low,
         algo.clip_high)),
