@@ -203,13 +203,14 @@ def _prefill(model, prompt_ids: list[list[int]], n: int, pad_id: int, device):
 
 
 def _finished(tok: torch.Tensor, eos_id: int | None, stop: tuple[str, ...], tokenizer,
-              tokens: torch.Tensor, rows) -> torch.Tensor:
+              tokens: torch.Tensor, active: torch.Tensor | None) -> torch.Tensor:
     """Which active rows the token ``tok`` (R,) ends: eos, or the row's text so far
-    (``tokens[row]``) containing a stop string. A tokenizer without eos: only a stop string
-    or the budget ends a row."""
+    (``tokens[row]``; rows ``active``, all while None) containing a stop string. A tokenizer
+    without eos: only a stop string or the budget ends a row."""
     finished = (tok == eos_id if eos_id is not None
                 else torch.zeros_like(tok, dtype=torch.bool))
-    if stop:
+    if stop:  # the rows are read on the host only here
+        rows = range(len(tok)) if active is None else active.tolist()
         for j, row in enumerate(rows):
             if not finished[j]:
                 text = tokenizer.decode(tokens[row], skip_special_tokens=True)
@@ -300,8 +301,7 @@ class DecodingEngine(RolloutEngine):
                 u = uniforms[:, t] if active is None else uniforms[active, t]
             tok, head = _draw(logits, params, generator, u, t, active, tokens, logps, head)
             steps = t + 1
-            finished = _finished(tok, eos_id, stop, tokenizer, tokens[:, :t + 1],
-                                 range(N) if active is None else active.tolist())
+            finished = _finished(tok, eos_id, stop, tokenizer, tokens[:, :t + 1], active)
             if finished.any():  # the loop's one host sync per step
                 rows = finished.nonzero().squeeze(-1) if active is None else active[finished]
                 done[rows] = True
