@@ -174,6 +174,15 @@ def test_empty_mask_gives_zero_not_nan(dtype):
     assert torch.equal(masked_mean(x, mask, dim=-1), torch.zeros(3, dtype=dtype))
 
 
+@pytest.mark.parametrize("shape", [(0, 4), (3, 0), (0,)])
+def test_empty_tensor_gives_zero(shape):
+    """A tensor with no elements is an empty mask too: min/max give 0 (amin/amax alone refuse
+    an empty reduction), like the mean."""
+    x, mask = torch.zeros(shape), torch.zeros(shape, dtype=torch.bool)
+    assert [float(v) for v in masked_min_max(x, mask)] == [0.0, 0.0]
+    assert float(masked_mean(x, mask)) == 0.0
+
+
 def test_float_and_int_masks_act_like_bool():
     """A 0/1 float or int mask selects the same entries as the bool mask."""
     x, mask = _data((3, 5), 5)

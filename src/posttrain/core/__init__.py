@@ -15,6 +15,7 @@ from posttrain.core.advantages import (
 )
 from posttrain.core.aggregate import AGGREGATIONS, aggregate_loss, step_normalizer
 from posttrain.core.algorithms import ALGORITHMS, Algorithm, get_algorithm
+from posttrain.core.correction import CORRECTIONS, Correction, correction_weights
 from posttrain.core.dapo import groups_with_signal, overlong_penalty
 from posttrain.core.kl import AdaptiveKLController, FixedKLController, kl_penalty
 from posttrain.core.logprobs import token_entropy, token_logprobs
@@ -37,9 +38,9 @@ from posttrain.core.policy import (
 from posttrain.core.preference import bradley_terry_loss, dpo_loss
 
 __all__ = [
-    "AGGREGATIONS", "ALGORITHMS", "AdaptiveKLController", "Algorithm", "FixedKLController",
-    "RunningMoments",
-    "aggregate_loss", "bradley_terry_loss", "discounted_returns", "dpo_loss",
+    "AGGREGATIONS", "ALGORITHMS", "CORRECTIONS", "AdaptiveKLController", "Algorithm",
+    "Correction", "FixedKLController", "RunningMoments",
+    "aggregate_loss", "bradley_terry_loss", "correction_weights", "discounted_returns", "dpo_loss",
     "explained_variance", "gae", "get_algorithm", "group_advantages", "groups_with_signal",
     "gspo_loss", "gspo_token_loss", "kl_penalty", "masked_count", "masked_mean",
     "masked_min_max", "masked_sum", "masked_var", "masked_whiten", "overlong_penalty",

@@ -67,13 +67,16 @@ def masked_whiten(
 
 
 def masked_min_max(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Minimum and maximum of the unmasked entries; both 0 for an empty mask."""
+    """Minimum and maximum of the unmasked entries; both 0 for an empty mask (a tensor with
+    no elements included)."""
     m = mask.bool()
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    if m.numel() == 0:  # amin/amax refuse an empty reduction
+        return zero, zero.clone()
     inf = torch.tensor(float("inf"), dtype=x.dtype, device=x.device)
     lo = torch.where(m, x, inf).amin()
     hi = torch.where(m, x, -inf).amax()
     any_ = m.any()
-    zero = torch.zeros((), dtype=x.dtype, device=x.device)
     return torch.where(any_, lo, zero), torch.where(any_, hi, zero)
 
 
