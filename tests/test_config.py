@@ -189,7 +189,11 @@ def test_dump_load_round_trip(tmp_path, cls):
     ("grpo", ["--fast", "false", "--rollout_backend", "lean"], "fast=false"),
     ("ppo", ["--algo", "reinforce_pp_baseline", "--value_clip", "0.1"], "value_clip.*no critic"),
     ("grpo", ["--data", "x.jsonl"], "--data needs --reward"),
-    ("grpo", ["--rollout_backend", "vllm"], "rollout_backend"),
+    ("grpo", ["--rollout_backend", "sglang"], "rollout_backend"),
+    ("grpo", ["--vllm_kv_cache_gb", "2"], "vllm_kv_cache_gb.*rollout_backend=auto"),
+    ("grpo", ["--rollout_correction", "tis"], "rollout_correction must be"),
+    ("grpo", ["--rollout_correction", "token_mask", "--rollout_correction_low", "2"],
+     "rollout_correction: token_mask"),
     ("grpo", ["--log_every", "0"], "log_every"),
 ])
 def test_a_key_a_command_does_not_read_is_refused(command, args, match):

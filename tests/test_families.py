@@ -36,7 +36,7 @@ from posttrain.models import (
     packing_pays,
     shared_prompt_logprobs,
 )
-from posttrain.rollout import make_engine
+from posttrain.rollout import make_engine, requests_for
 
 COMMON = dict(vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -161,8 +161,8 @@ def test_sampling_engine_and_log_probs_agree(family_dir):
     model = load_causal_lm(family_dir, device="cpu").eval()
     tok = load_tokenizer(family_dir)
     engine = make_engine("auto", model, tok)
-    ro = engine.generate(["12+3=", "7+45="], 2, SamplingParams(max_new_tokens=6),
-                         torch.Generator().manual_seed(0))
+    ro = engine.generate(requests_for(tok, ["12+3=", "7+45="]), 2,
+                         SamplingParams(max_new_tokens=6), torch.Generator().manual_seed(0))
     prompts = [tok(p)["input_ids"] for p in ("12+3=", "7+45=")]
     completions = [r[m.bool()].tolist() for r, m in zip(ro.completion_ids, ro.completion_mask,
                                                         strict=True)]

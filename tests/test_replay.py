@@ -281,7 +281,7 @@ def test_trainer_step_same_with_and_without_reuse(tiny_model_dir, tmp_path, kw, 
         assert (len(replays) > 0) is (reuse and not packed)
         assert any(sampled) is (reuse and layout.startswith("fused"))
         replays.clear(), sampled.clear()
-    assert moved[1].abs().max() > 1e-2
+    assert moved[1].abs().max() > 1e-3  # the step moved the policy, far above rounding
     torch.testing.assert_close(moved[0], moved[1], rtol=0, atol=1e-5 * moved[1].abs().max())
 
 

@@ -405,7 +405,7 @@ def test_the_blocked_sampler_is_the_inverse_cdf_over_a_large_vocabulary(temperat
 def test_the_blocked_sampler_never_picks_a_token_of_probability_zero():
     """Where the block sums and the chosen block's running sum round apart, a target in the
     gap takes the block's last token with mass, not a cut one (-inf logit)."""
-    from posttrain.rollout.engine import CDF_BLOCK, _inverse_cdf
+    from posttrain.rollout.sampling import CDF_BLOCK, _inverse_cdf
 
     B = CDF_BLOCK
     for seed in range(200):
@@ -595,9 +595,10 @@ def test_wrapped_projections_keep_the_model_forward(tiny_model_dir):
 def test_engines_are_chosen_by_backend_and_fast(tiny_model_dir):
     """auto: lean for a plain Llama-family model with fast on, hf with fast off; lean asked
     for a model it cannot run is a clear error; both engines live for a run
-    (update_weights, close) and sample the same greedy tokens."""
+    (sync, close) and sample the same greedy tokens."""
     from posttrain.models import load_causal_lm, load_tokenizer
-    from posttrain.rollout import SamplingParams, make_engine
+    from posttrain.models.weights import hf_weights
+    from posttrain.rollout import SamplingParams, make_engine, requests_for
     from posttrain.rollout.hf import HFEngine
     from posttrain.rollout.lean import LeanEngine
 
@@ -607,7 +608,7 @@ def test_engines_are_chosen_by_backend_and_fast(tiny_model_dir):
     assert isinstance(make_engine("auto", model, tok, fast=False), HFEngine)
     assert isinstance(make_engine("hf", model, tok), HFEngine)
     with pytest.raises(ValueError, match="unknown rollout backend"):
-        make_engine("vllm", model, tok)
+        make_engine("sglang", model, tok)
     model.config.sliding_window = 4  # no longer a model the lean decoder runs
     with pytest.raises(ValueError, match="rollout_backend=lean"):
         make_engine("lean", model, tok)
@@ -616,9 +617,13 @@ def test_engines_are_chosen_by_backend_and_fast(tiny_model_dir):
     texts = []
     for backend in ("lean", "hf"):
         engine = make_engine(backend, model, tok)
-        engine.update_weights(model)
-        texts.append(engine.generate(["12+3=", "4+4="], 1, greedy).texts)
-        cache = engine.generate(["1+1="], 2, greedy, extras=frozenset({"projections"})).cache
+        engine.sync(hf_weights(model), 1)
+        assert engine.version == 1
+        out = engine.generate(requests_for(tok, ["12+3=", "4+4="]), 1, greedy)
+        assert out.policy_version == 1 and len(out.finish_reasons) == 2
+        texts.append(out.texts)
+        cache = engine.generate(requests_for(tok, ["1+1="]), 2, greedy,
+                                extras=frozenset({"projections"})).cache
         captured = cache is not None and cache.activations is not None
         assert captured is (backend == "lean") is ("projections" in engine.extras)
         engine.close()

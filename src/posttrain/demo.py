@@ -17,7 +17,7 @@ import time
 import torch
 
 from posttrain.core import ALGORITHMS, aggregate_loss, step_normalizer, token_logprobs, value_loss
-from posttrain.core.algorithms import compute_advantages, policy_objective
+from posttrain.core.algorithms import PolicyInputs, compute_advantages, policy_objective
 
 
 def _sample(logits: torch.Tensor, n: int, gen: torch.Generator) -> torch.Tensor:
@@ -55,7 +55,7 @@ def run_algorithm(name: str, steps: int = 30, groups: int = 4, group_size: int =
                                               old_v)
         for _epoch in range(2):
             lp = token_logprobs(logits.expand(n, T, V), tokens)
-            loss_tok, _ = policy_objective(algo, lp, old_lp, adv, mask, ref_lp)
+            loss_tok, _ = policy_objective(algo, PolicyInputs(lp, old_lp, adv, mask, ref_lp))
             loss = aggregate_loss(loss_tok, mask, algo.aggregation,
                                   step_normalizer(mask, algo.aggregation), constant=T)
             if algo.critic:

@@ -16,12 +16,13 @@ def greedy_completions(engine, prompts: list[str], max_new_tokens: int = 16,
     """Greedy completions (text up to eos) of ``prompts`` from a rollout ``engine``
     (``posttrain.rollout``; tested token-for-token equal to
     ``model.generate(do_sample=False)``)."""
-    from posttrain.rollout import SamplingParams
+    from posttrain.rollout import SamplingParams, requests_for
 
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
     out: list[str] = []
     for i in range(0, len(prompts), batch_size):
-        out.extend(engine.generate(prompts[i:i + batch_size], 1, params).texts)
+        requests = requests_for(engine.tokenizer, prompts[i:i + batch_size])
+        out.extend(engine.generate(requests, 1, params).texts)
     return out
 
 

@@ -18,6 +18,7 @@ from posttrain.core.aggregate import aggregate_loss, step_normalizer
 from posttrain.core.algorithms import (
     ALGORITHMS,
     Algorithm,
+    PolicyInputs,
     compute_advantages,
     get_algorithm,
     policy_objective,
@@ -213,7 +214,7 @@ def test_policy_objective_is_loss_plus_k3_penalty(name):
     adv, _ = compute_advantages(algo, scores, ids, mask, old, ref, values)
     if algo.advantage != "gae":  # token-varying advantages tell gspo from gspo_token
         adv = adv + torch.randn(adv.shape, generator=gen, dtype=torch.float64)
-    loss, metrics = policy_objective(algo, lp, old, adv, mask, ref)
+    loss, metrics = policy_objective(algo, PolicyInputs(lp, old, adv, mask, ref))
     base = {"ppo_clip": lambda: ppo_clip_loss(lp, old, adv, mask, algo.clip_low, algo.clip_high,
                                               algo.dual_clip),
             "gspo": lambda: gspo_loss(lp, old, adv, mask, algo.clip_low, algo.clip_high),
@@ -232,7 +233,7 @@ def test_policy_objective_with_kl_needs_reference():
     """kl_coef > 0 without ref_logprobs is a ValueError."""
     _, _, mask, old, _, _ = batch()
     with pytest.raises(ValueError):
-        policy_objective(ALGORITHMS["grpo"], old, old, torch.ones(old.shape[0]), mask, None)
+        policy_objective(ALGORITHMS["grpo"], PolicyInputs(old, old, torch.ones(old.shape[0]), mask))
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
@@ -246,7 +247,7 @@ def test_policy_objective_gradient_only_through_logprobs(name):
     lp = (old + torch.randn(old.shape, generator=gen) * 1e-4).requires_grad_(True)
     for t in (adv, old, ref):
         t.requires_grad_(True)
-    loss, _ = policy_objective(algo, lp, old, adv, mask, ref)
+    loss, _ = policy_objective(algo, PolicyInputs(lp, old, adv, mask, ref))
     aggregate_loss(loss, mask, algo.aggregation).backward()
     assert lp.grad is not None and lp.grad.abs().sum() > 0
     for t in (adv, old, ref):
@@ -291,7 +292,8 @@ def test_micro_batch_invariance_every_algorithm(name, size):
     C = float(T)
 
     w_full = weight0.clone().requires_grad_(True)
-    loss, _ = policy_objective(algo, logprobs(w_full, slice(None)), old, adv, mask, ref)
+    loss, _ = policy_objective(algo, PolicyInputs(logprobs(w_full, slice(None)), old, adv, mask,
+                                                  ref))
     full = aggregate_loss(loss, mask, algo.aggregation, constant=C)
     full.backward()
 
@@ -299,8 +301,8 @@ def test_micro_batch_invariance_every_algorithm(name, size):
     total = 0.0
     for s in range(0, B, size):
         sl = slice(s, s + size)
-        loss, _ = policy_objective(algo, logprobs(w_micro, sl), old[sl], adv[sl], mask[sl],
-                                   ref[sl])
+        loss, _ = policy_objective(algo, PolicyInputs(logprobs(w_micro, sl), old[sl], adv[sl],
+                                                      mask[sl], ref[sl]))
         part = aggregate_loss(loss, mask[sl], algo.aggregation, normalizer=norm, constant=C)
         part.backward()
         total += part.item()
@@ -354,7 +356,7 @@ def test_declared_zero_advantage_zero_gradient_holds(loss_name):
     lp = (old + 0.3 * torch.randn(4, 6, generator=gen, dtype=torch.float64)).requires_grad_()
     mask = torch.ones(4, 6, dtype=torch.float64)
     adv = torch.tensor([0.0, 1.5, 0.0, -0.7], dtype=torch.float64)
-    tok, _ = policy_objective(algo, lp, old, adv, mask)
+    tok, _ = policy_objective(algo, PolicyInputs(lp, old, adv, mask))
     aggregate_loss(tok, mask, algo.aggregation, step_normalizer(mask, algo.aggregation)
                    ).backward()
     assert loss.zero_advantage_zero_gradient

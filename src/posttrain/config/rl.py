@@ -109,8 +109,33 @@ class RLConfig(RunConfig):
     critic passes; none = automatic (on when group_size > 1, else from 2M parameters)."""
     rollout_backend: str = "auto"
     """The rollout engine: hf (the model's own forward with a KV cache, any model), lean
-    (posttrain.fast's decoder for plain Llama-family models), auto = lean where it applies
-    and fast is on, else hf. Evaluation decodes through the same engine."""
+    (posttrain.fast's decoder for plain Llama-family models), vllm (a vLLM engine in this
+    process: docs/engines.md), auto = lean where it applies and fast is on, else hf.
+    Evaluation decodes through the same engine."""
+    rollout_correction: str = "auto"
+    """Mismatch correction by the importance weight π_old/π_behaviour of the sampled tokens:
+    none, token_truncate, token_mask, sequence_truncate, sequence_mask, icepop; auto = none
+    for the exact engines (lean, hf), token_truncate for vllm (docs/engines.md)."""
+    rollout_correction_low: float | None = None
+    """Lower bound of the masks (token_mask, sequence_mask, icepop); none = the mode's
+    default."""
+    rollout_correction_high: float | None = None
+    """Upper bound: the truncation cap, or the masks' upper bound; none = the mode's
+    default."""
+    sync_guard: bool = True
+    """After each weight sync of an engine with weights of its own (vllm), score a small
+    probe and stop the run when the engine's log-probs differ from the trainer's beyond
+    the bound of the two dtypes (docs/engines.md)."""
+    vllm_dtype: str = "auto"
+    """vllm: the engine's dtype (float32, bfloat16, float16); auto = the policy's."""
+    vllm_kv_cache_gb: float = 1.0
+    """vllm on the CPU: GiB of KV cache."""
+    vllm_gpu_memory_utilization: float = 0.3
+    """vllm on CUDA: the share of the GPU's memory the engine may take."""
+    vllm_sleep: bool = True
+    """vllm on CUDA: free the engine's weights and KV cache while the trainer updates."""
+    vllm_tensor_parallel_size: int = 1
+    """vllm on CUDA: GPUs per engine (tensor parallel); 1 = an engine per rank."""
     replay_projections: bool = True
     """With fast: the lean sampler keeps each projection's output, and the policy's passes
     before its first optimizer step (the update of a one-update step, the old log-probs)
@@ -133,8 +158,9 @@ class RLConfig(RunConfig):
         super().validate()
         check(self.algo in self.ALGOS, f"algo must be one of {', '.join(self.ALGOS)}")
         check(self.max_steps >= 1, "max_steps must be ≥ 1")
-        check(self.rollout_backend in ("auto", "hf", "lean"),
-               "rollout_backend must be auto, hf or lean")
+        check(self.rollout_backend in ("auto", "hf", "lean", "vllm"),
+               "rollout_backend must be auto, hf, lean or vllm")
+        self._check_engine()
         if self.data is not None and not self.reward:
             raise ConfigError("--data needs --reward (module:function, file.py:function or "
                               "rm:DIR)")
@@ -181,6 +207,36 @@ class RLConfig(RunConfig):
             self.refuse(("overlong_cache",), f"{self.algo}, which has no overlong shaping")
         if self.kl_target == 0:
             self.refuse(("kl_horizon",), "a fixed KL coefficient (kl_horizon needs kl_target)")
+
+    def _check_engine(self) -> None:
+        from posttrain.core.correction import CORRECTIONS
+
+        check(self.rollout_correction in ("auto", *CORRECTIONS),
+              f"rollout_correction must be auto or one of {', '.join(CORRECTIONS)}")
+        try:
+            self.correction().validate()
+        except ValueError as e:
+            raise ConfigError(f"rollout_correction: {e}") from None
+        if self.rollout_backend != "vllm":
+            self.refuse(("vllm_dtype", "vllm_kv_cache_gb", "vllm_gpu_memory_utilization",
+                         "vllm_sleep", "vllm_tensor_parallel_size"),
+                        f"rollout_backend={self.rollout_backend} (they set the vllm engine)")
+        check(self.vllm_dtype in ("auto", "float32", "bfloat16", "float16"),
+              "vllm_dtype must be auto, float32, bfloat16 or float16")
+        check(self.vllm_kv_cache_gb > 0 and 0 < self.vllm_gpu_memory_utilization <= 1
+              and self.vllm_tensor_parallel_size >= 1, "vllm_kv_cache_gb must be > 0, "
+              "vllm_gpu_memory_utilization in (0, 1] and vllm_tensor_parallel_size ≥ 1")
+
+    def correction(self):
+        """The mismatch correction this run applies (``auto`` resolved by the backend)."""
+        from posttrain.core.correction import Correction
+
+        mode = self.rollout_correction
+        if mode == "auto":
+            mode = "token_truncate" if self.rollout_backend == "vllm" else "none"
+        bounds = {k: v for k, v in (("low", self.rollout_correction_low),
+                                    ("high", self.rollout_correction_high)) if v is not None}
+        return Correction(mode, **bounds)
 
     def _overrides(self) -> dict:
         """Fields of the algorithm's record that this config sets: every key named like a

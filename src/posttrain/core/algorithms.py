@@ -181,14 +181,19 @@ class AdvantageInputs:
 @dataclass(frozen=True)
 class PolicyInputs:
     """What a policy loss may read, all ``(B, T)`` (``advantages`` may be ``(B,)``):
-    ``logprobs`` (with gradient), ``old_logprobs``, ``advantages``, ``response_mask``,
-    ``ref_logprobs`` (None when not computed)."""
+    ``logprobs`` (with gradient), ``old_logprobs`` (the trainer's at the sampling
+    weights), ``advantages``, ``response_mask``, ``ref_logprobs``, ``behaviour_logprobs``
+    (the engine's, of the distribution actually sampled) and ``weights`` (per-token
+    importance weights of the mismatch correction, detached; they scale the policy loss),
+    each None when not computed."""
 
     logprobs: torch.Tensor
     old_logprobs: torch.Tensor
     advantages: torch.Tensor
     response_mask: torch.Tensor
     ref_logprobs: torch.Tensor | None = None
+    behaviour_logprobs: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -324,24 +329,31 @@ def compute_advantages(
     return algo.estimator.fn(algo, x)
 
 
-def policy_objective(
-    algo: Algorithm,
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    ref_logprobs: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-token loss ``(B, T)`` of ``algo``: its policy loss plus ``β · KL`` to the reference
-    when ``kl_coef > 0``; aggregate it with ``aggregate_loss(..., algo.aggregation, ...)``."""
-    x = PolicyInputs(logprobs, old_logprobs, advantages, response_mask, ref_logprobs)
+def policy_objective(algo: Algorithm, x: PolicyInputs, correction=None
+                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token loss ``(B, T)`` of ``algo`` on the inputs ``x``: its policy loss, scaled
+    per token by ``x.weights`` (or by the weights of ``correction``, a
+    :class:`posttrain.core.correction.Correction`, from the old and behaviour log-probs,
+    whose metrics join the loss's), plus ``β · KL`` to the reference when ``kl_coef > 0``
+    (not scaled: the KL term is to the reference, not to the sampler). Aggregate it with
+    ``aggregate_loss(..., algo.aggregation, ...)``."""
     _missing(algo.loss_inputs, x, f"policy loss {algo.policy_loss!r} (with kl_coef > 0)"
              if algo.kl_coef > 0 else f"policy loss {algo.policy_loss!r}", algo)
-    loss, metrics = algo.loss.fn(algo, x)
+    metrics: dict[str, torch.Tensor] = {}
+    if correction is not None and x.behaviour_logprobs is not None:
+        from posttrain.core.correction import correction_weights
+
+        w, metrics = correction_weights(x.old_logprobs, x.behaviour_logprobs,
+                                        x.response_mask, correction)
+        x = dataclasses.replace(x, weights=w)
+    loss, m = algo.loss.fn(algo, x)
+    metrics.update(m)
+    if x.weights is not None:
+        loss = loss * x.weights.detach().to(loss.dtype)
     if algo.kl_coef > 0:
-        kl = kl_penalty(logprobs, ref_logprobs, algo.kl_estimator)
-        loss = loss + algo.kl_coef * torch.where(response_mask.bool(), kl, 0.0)
-        metrics["kl"] = masked_mean(kl.detach(), response_mask)
+        kl = kl_penalty(x.logprobs, x.ref_logprobs, algo.kl_estimator)
+        loss = loss + algo.kl_coef * torch.where(x.response_mask.bool(), kl, 0.0)
+        metrics["kl"] = masked_mean(kl.detach(), x.response_mask)
     return loss, metrics
 
 

@@ -1,13 +1,22 @@
-"""The rollout engine interface, and the decoding loop the two in-process engines share.
+"""The rollout engine contract, and the decoding loop the two in-process engines share.
 
-An engine is an object the trainer holds for the whole run:
+An engine is an object the trainer holds for the whole run, with a lifecycle:
 
-- ``generate(prompts, n, params, generator, uniforms, extras) -> Rollout``: ``n`` samples
-  per prompt; ``extras`` asks for optional outputs the engine lists in its own ``extras``;
-- ``update_weights(policy)``: after the last optimiser step of each RL step, so the sampler
-  samples from the policy being trained (an engine with its own copy of the weights, vLLM
-  say, copies them here);
-- ``close()``: release what the engine holds.
+- built (started) by :func:`posttrain.rollout.make_engine`;
+- ``generate(requests, n, params, generator, extras) -> Rollout``: ``n`` samples of each
+  :class:`~posttrain.rollout.types.Request` (token ids and a seed; sample ``j`` draws from
+  ``sample_seed(seed, j)`` alone); the result holds the completion ids, the behaviour
+  log-probs (of the distribution actually sampled), the finish reasons and the policy
+  version. ``extras`` asks for optional outputs the engine lists in its own ``extras``;
+- ``sync(weights, version)``: after each optimiser step that changed the policy, the
+  weights as a stream of (Hugging Face name, tensor), never a module. An engine that
+  decodes with the trainer's own module (``shares_weights``) reads nothing of the stream;
+- ``score(sequences, prompt_lens)``: the engine's own log-probs (temperature 1) of given
+  token sequences, for the weight-sync guard (:mod:`posttrain.rollout.guard`);
+- ``sleep()`` / ``wake()``: release and retake the engine's memory between rollouts where
+  the engine supports it (no-ops otherwise);
+- ``close()``: release what the engine holds; also a context manager, so it closes on
+  errors.
 
 For P prompts and G samples each, the in-process engines prefill the P (left-padded)
 prompts once with the model's forward, repeat the cache G times, and decode token by token:
@@ -26,133 +35,71 @@ incremental and the full forward.
 
 from __future__ import annotations
 
-import hashlib
+from collections.abc import Iterable
 
 import torch
 from transformers import DynamicCache
 
 from posttrain.data import pad_left
 from posttrain.models import cache_kwarg
-from posttrain.rollout.types import Rollout, SamplingParams, cut_at_stop
+from posttrain.rollout.sampling import CDF_BLOCK, sample_tokens
+from posttrain.rollout.types import (
+    Request,
+    Rollout,
+    SamplingParams,
+    cut_at_stop,
+    sample_seed,
+    stream_seed,
+)
+
+__all__ = ["CDF_BLOCK", "DecodingEngine", "RolloutEngine", "compaction", "request_seed",
+           "request_uniforms", "sample_tokens"]
 
 
 class RolloutEngine:
-    """The interface the trainers hold (see the module docstring)."""
+    """The contract the trainers hold (see the module docstring)."""
 
     name = "engine"
     extras: frozenset[str] = frozenset()
     """The optional outputs ``generate(..., extras=...)`` can keep in ``Rollout.cache``:
     ``projections`` (each projection's output, for the update to replay) and
     ``head_stats`` (each sampling distribution's log-sum-exp and entropy)."""
+    shares_weights = False
+    """It decodes with the trainer's own module: a sync has nothing to copy and the guard
+    nothing to check."""
+    exact = False
+    """Its log-probs are the trainer's forward's up to rounding (same kernels, same dtype):
+    mismatch correction stays off by default."""
+    version = 0
+    """The policy version of the weights it samples with (set by :meth:`sync`)."""
 
-    def generate(self, prompts: list[str], n: int = 1, params: SamplingParams | None = None,
+    def generate(self, requests: list[Request], n: int = 1,
+                 params: SamplingParams | None = None,
                  generator: torch.Generator | None = None,
-                 uniforms: torch.Tensor | None = None,
                  extras: frozenset[str] = frozenset()) -> Rollout:
         raise NotImplementedError
 
-    def update_weights(self, policy) -> None:
+    def sync(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         raise NotImplementedError
+
+    def score(self, sequences: list[list[int]], prompt_lens: list[int]) -> list[torch.Tensor]:
+        """The engine's log-probs (temperature 1) of ``sequences[i][prompt_lens[i]:]``."""
+        raise NotImplementedError
+
+    def sleep(self) -> None:
+        pass
+
+    def wake(self) -> None:
+        pass
 
     def close(self) -> None:
         pass
 
+    def __enter__(self):
+        return self
 
-CDF_BLOCK = 2048
-"""Vocabulary entries per block of the two-level inverse CDF (:func:`_inverse_cdf`)."""
-
-
-def sample_tokens(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None,
-                  u: torch.Tensor | None = None, stats: bool = False):
-    """Sample one token per row from ``logits`` (R, V); return (tokens, log-probs). ``u``
-    (R,): each row's uniform number in [0, 1); drawn from ``gen`` when None. ``stats``: also
-    the log-sum-exp and entropy (R,) of the tempered distribution, for plain sampling (no
-    top-k / top-p; else None): (tokens, log-probs, stats)."""
-    logits = logits.float()
-    if p.temperature == 0:
-        tokens = logits.argmax(-1)
-        out = tokens, torch.zeros_like(tokens, dtype=torch.float32)
-        return (*out, None) if stats else out
-    if u is None:  # drawn on the generator's device (a CPU generator drives a CUDA policy too)
-        u = torch.rand(len(logits), generator=gen,
-                       device=gen.device if gen is not None else logits.device)
-    u = u.to(logits.device, torch.float32)
-    if not (p.top_k and p.top_k < logits.shape[-1]) and p.top_p >= 1.0:
-        return _inverse_cdf(logits, p.temperature, u, stats)
-    logits = logits / p.temperature
-    if p.top_k and p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # drop a token when the mass before it already reaches top_p (the first always stays)
-        drop = probs.cumsum(-1) - probs >= p.top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    out = _inverse_cdf(logits, 1.0, u)
-    return (*out, None) if stats else out
-
-
-def _inverse_cdf(logits: torch.Tensor, temperature: float, u: torch.Tensor,
-                 stats: bool = False):
-    """Inverse-CDF sampling from ``softmax(logits / temperature)`` (R, V) with one uniform
-    number per row (torch.multinomial, or a Gumbel / exponential race, draw one per
-    vocabulary entry, which dominates a small model's step); the tokens and their log-probs.
-
-    The token is the first ``v`` whose cumulative mass reaches ``u`` times the total, found
-    in two levels: the per-block sums of ``exp(z − max)`` pick the block, a cumulative sum
-    inside that one block picks the token. So one (R, V) tensor is written, not the four of
-    log-softmax, its exponential and a full cumulative sum, which at a large vocabulary are
-    most of a decode step's sampling time."""
-    R, V = logits.shape
-    top = logits.amax(-1, keepdim=True)  # (R, 1); -inf only for a row with no finite logit
-    e = torch.sub(logits, top)
-    if temperature != 1.0:
-        e.div_(temperature)
-    e.exp_()  # (R, V) unnormalised probabilities, in (0, 1]
-    if V <= CDF_BLOCK:  # one block: its running sum is the whole CDF
-        cdf = e.cumsum(-1)
-        total = cdf[:, -1:]
-        tokens = torch.searchsorted(cdf, u[:, None] * total).clamp_max_(V - 1).squeeze(-1)
-        return _picked(logits, e, top, total, tokens, temperature, stats)
-    n_full = V // CDF_BLOCK
-    sums = [e[:, :n_full * CDF_BLOCK].view(R, n_full, CDF_BLOCK).sum(-1)] if n_full else []
-    if V % CDF_BLOCK:
-        sums.append(e[:, n_full * CDF_BLOCK:].sum(-1, keepdim=True))
-    cum = torch.cat(sums, -1).cumsum(-1)  # (R, blocks)
-    total = cum[:, -1:]
-    target = u[:, None] * total  # (R, 1)
-    block = torch.searchsorted(cum, target).clamp_max(cum.shape[1] - 1)  # (R, 1)
-    before = torch.where(block > 0, cum.gather(-1, (block - 1).clamp_min(0)), 0.0)
-    cols = block * CDF_BLOCK + torch.arange(CDF_BLOCK, device=e.device)  # (R, CDF_BLOCK)
-    inside = cols < V
-    mass = e.gather(-1, cols.clamp_max(V - 1)).masked_fill_(~inside, 0.0)  # (R, CDF_BLOCK)
-    # rounding may leave the block's own running sum a hair short of ``target``: take its
-    # last token with any mass then (never one of probability 0, a top-k / top-p cut one)
-    last = torch.where(mass > 0, torch.arange(CDF_BLOCK, device=e.device), 0).amax(
-        -1, keepdim=True)
-    within = mass.cumsum_(-1)
-    j = torch.searchsorted(within.add_(before), target).clamp_max_(last)
-    tokens = (block * CDF_BLOCK + j).squeeze(-1)
-    return _picked(logits, e, top, total, tokens, temperature, stats)
-
-
-def _picked(logits, e, top, total, tokens, temperature: float, stats: bool):
-    """The sampled tokens' log-probs (and with ``stats`` each row's log-sum-exp and entropy)
-    from the logits, their row maximum ``top``, ``e = exp((logits − top) / T)`` and its row
-    sums ``total``."""
-    R = logits.shape[0]
-    logp = ((logits.gather(-1, tokens[:, None]) - top) / temperature
-            - total.log()).squeeze(-1)
-    if not stats:
-        return tokens, logp
-    # log Σ exp(z/T) and H = log Σe − Σ e·(z − max)/T / Σe, the dot product as a batched
-    # matmul (no (R, V) temporary)
-    ez = torch.bmm(e[:, None, :], logits[:, :, None]).view(R, 1)
-    lse = top / temperature + total.log()
-    ent = total.log() - (ez - top * total) / (temperature * total)
-    return tokens, logp, (lse.squeeze(-1), ent.squeeze(-1))
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _head_stats(stats: torch.Tensor, end: torch.Tensor) -> torch.Tensor | None:
@@ -163,15 +110,26 @@ def _head_stats(stats: torch.Tensor, end: torch.Tensor) -> torch.Tensor | None:
     return stats if bool(torch.isfinite(stats).all()) else None
 
 
-def sampling_uniforms(seed: int, step: int, round_: int, rows: int, columns: int
-                      ) -> torch.Tensor:
-    """The uniform numbers of one RL step's sampling round, ``(rows, columns)``: row ``i``
-    for sample ``i`` of the round (prompt slot ``i // G``), from a generator seeded by
-    ``(seed, step, round)`` alone, so the samples drawn depend neither on how the prompts
-    are spread over ranks nor on what else a batch holds."""
-    digest = hashlib.sha256(f"posttrain-sampling/{seed}/{step}/{round_}".encode()).digest()
-    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-    return torch.rand(rows, columns, generator=gen)
+def request_seed(seed: int, step: int, round_: int, slot: int) -> int:
+    """The seed of the request for prompt slot ``slot`` of an RL step's sampling round: from
+    ``(seed, step, round, slot)`` alone, so the samples drawn depend neither on how the
+    prompts are spread over ranks nor on what else a batch holds."""
+    return stream_seed(seed, step, round_, slot)
+
+
+def request_uniforms(requests: list[Request], n: int, columns: int) -> torch.Tensor | None:
+    """The uniform numbers ``(len·n, columns)`` that pick each sample's tokens: row
+    ``i·n + j`` from a generator seeded by ``sample_seed(requests[i].seed, j)``; None when
+    any request has no seed (the engine's generator draws then)."""
+    if any(r.seed is None for r in requests):
+        return None
+    out = torch.empty(len(requests) * n, columns)
+    gen = torch.Generator()
+    for i, r in enumerate(requests):
+        for j in range(n):
+            gen.manual_seed(sample_seed(r.seed, j))
+            out[i * n + j] = torch.rand(columns, generator=gen)
+    return out
 
 
 def compaction(live: torch.Tensor) -> torch.Tensor:
@@ -236,14 +194,30 @@ def _draw(logits, params: SamplingParams, generator, u, t: int, active, tokens, 
 
 
 class DecodingEngine(RolloutEngine):
-    """An engine that decodes with the policy module itself, in this process: it holds the
-    module, not a copy, so ``update_weights`` only rebinds it."""
+    """An engine that decodes with a module in this process. Built on the trainer's own
+    policy (``shares_weights``) it reads nothing of a sync's stream: the weights are the
+    trainer's, already updated in place. Built on a module of its own (a sharded run's
+    plain copy), a sync copies the stream into it, one tensor at a time."""
 
-    def __init__(self, model, tokenizer):
+    exact = True
+
+    def __init__(self, model, tokenizer, shares_weights: bool = True):
         self.model, self.tokenizer = model, tokenizer
+        self.shares_weights = shares_weights
 
-    def update_weights(self, policy) -> None:
-        self.model = policy  # the same weights, already updated in place
+    def sync(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        if not self.shares_weights:
+            own = dict(self.model.named_parameters())
+            with torch.no_grad():
+                for name, tensor in weights:
+                    if name in own:
+                        own[name].copy_(tensor)
+        self.version = version
+
+    def score(self, sequences: list[list[int]], prompt_lens: list[int]) -> list[torch.Tensor]:
+        from posttrain.rollout.guard import trainer_logprobs
+
+        return trainer_logprobs(self.model, sequences, prompt_lens)
 
     def close(self) -> None:
         self.model = None
@@ -256,25 +230,26 @@ class DecodingEngine(RolloutEngine):
         raise NotImplementedError
 
     @torch.no_grad()
-    def generate(self, prompts: list[str], n: int = 1, params: SamplingParams | None = None,
+    def generate(self, requests: list[Request], n: int = 1,
+                 params: SamplingParams | None = None,
                  generator: torch.Generator | None = None,
-                 uniforms: torch.Tensor | None = None,
                  extras: frozenset[str] = frozenset()) -> Rollout:
-        """Sample ``n`` completions for each prompt (see the module docstring). ``extras``:
+        """Sample ``n`` completions for each request (see the module docstring). ``extras``:
         what to keep in ``Rollout.cache`` of what this engine lists in its ``extras``
-        (others are ignored). ``uniforms`` ``(P·n, max_new_tokens)``: the number in [0, 1)
-        that picks sample ``i``'s token ``t`` (instead of ``generator``), so each sample's
-        draws are its own whatever else is in the batch (the trainers derive them from seed,
-        step and prompt slot: :func:`sampling_uniforms`). ``head_stats`` is kept with plain
-        sampling only (temperature > 0, no top-k / top-p)."""
+        (others are ignored). Sample ``j`` of request ``i`` picks its token ``t`` with the
+        ``t``-th uniform number of its own seed's stream (:func:`request_uniforms`), so
+        each sample's draws are its own whatever else is in the batch; requests without
+        a seed draw from ``generator``. ``head_stats`` is kept with plain sampling only
+        (temperature > 0, no top-k / top-p)."""
         model, tokenizer = self.model, self.tokenizer
         params = params or SamplingParams()
         params.validate()
         device = next(model.parameters()).device
         pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-        prompt_ids = [tokenizer(p)["input_ids"] for p in prompts]
+        prompt_ids = [list(r.prompt_ids) for r in requests]
         P, Lp = len(prompt_ids), max(len(x) for x in prompt_ids)
         N, T = P * n, params.max_new_tokens
+        uniforms = request_uniforms(requests, n, T) if params.temperature > 0 else None
 
         if uniforms is not None:
             uniforms = uniforms.to(device)
@@ -349,4 +324,4 @@ class DecodingEngine(RolloutEngine):
         return Rollout(prompt_ids=[x for x in prompt_ids for _ in range(n)],
                        completion_ids=tokens, completion_mask=completion_mask, logprobs=logps,
                        truncated=~done, group_ids=torch.arange(P).repeat_interleave(n),
-                       texts=texts)
+                       texts=texts, policy_version=self.version)

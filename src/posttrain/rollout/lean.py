@@ -17,11 +17,11 @@ class LeanEngine(DecodingEngine):
     def supports(model) -> bool:
         return LeanLlamaDecoder.supports(model)
 
-    def __init__(self, model, tokenizer):
+    def __init__(self, model, tokenizer, shares_weights: bool = True):
         if not self.supports(model):
             raise ValueError(f"rollout_backend=lean: {type(model).__name__} is not a plain "
                              "Llama-family model the lean decoder runs; use hf or auto")
-        super().__init__(model, tokenizer)
+        super().__init__(model, tokenizer, shares_weights)
 
     def decoder(self, cache, n, max_len, mask, pos, capture):
         return LeanLlamaDecoder(self.model, cache, n, max_len, mask, pos, capture)

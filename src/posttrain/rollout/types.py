@@ -1,12 +1,46 @@
-"""What a rollout engine takes and returns: :class:`SamplingParams` and :class:`Rollout`,
-and the batch operations on rollouts (select rows, concatenate rounds)."""
+"""What a rollout engine takes and returns: :class:`Request` (token ids and a seed),
+:class:`SamplingParams` and :class:`Rollout` (completion ids, behaviour log-probs, finish
+reasons, the policy version), and the batch operations on rollouts (select rows,
+concatenate rounds)."""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+
+@dataclass(frozen=True)
+class Request:
+    """One prompt to sample from: its token ids (the trainer tokenises once, chat template
+    applied where it has one) and its own seed. Sample ``j`` of the request draws from
+    :func:`sample_seed` ``(seed, j)`` alone, so what a sample is depends neither on the
+    other requests of a batch nor on how requests are spread over ranks; None: the
+    engine's own randomness (a one-off ``generator``)."""
+
+    prompt_ids: tuple[int, ...]
+    seed: int | None = None
+
+
+def stream_seed(*parts) -> int:
+    """A 63-bit seed from ``parts`` (ints or strings), the same on every machine."""
+    text = "posttrain-sampling/" + "/".join(str(p) for p in parts)
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+
+
+def sample_seed(request_seed: int, sample: int) -> int:
+    """The seed of sample ``sample`` of a request seeded ``request_seed``."""
+    return stream_seed(request_seed, sample)
+
+
+def requests_for(tokenizer, prompts: list[str], seeds: list[int] | None = None
+                 ) -> list[Request]:
+    """:class:`Request` s of text prompts, tokenised once (plain text, no template)."""
+    seeds = seeds if seeds is not None else [None] * len(prompts)
+    return [Request(tuple(tokenizer(p)["input_ids"]), s) for p, s in zip(prompts, seeds,
+                                                                         strict=True)]
 
 
 @dataclass
@@ -38,13 +72,18 @@ class Rollout:
     completion_mask: torch.Tensor
     """(N, Tc) 1 on generated tokens (including a closing eos)."""
     logprobs: torch.Tensor
-    """(N, Tc) log-probability of each generated token under the sampling distribution."""
+    """(N, Tc) the **behaviour log-probs**: each generated token's log-probability under
+    the distribution it was actually drawn from (temperature, top-k and top-p applied), as
+    the engine computed it; 0 past the completion."""
     truncated: torch.Tensor
-    """(N,) True where the token budget ran out before eos or a stop string."""
+    """(N,) True where the token budget ran out before eos or a stop string (finish
+    reason ``length``; ``stop`` otherwise)."""
     group_ids: torch.Tensor
     """(N,) index of the prompt each sample came from."""
     texts: list[str]
     """Decoded completions without special tokens (cut at a stop string)."""
+    policy_version: int = 0
+    """The version of the weights that sampled it (the engine's last :meth:`sync`)."""
     cache: Any = None
     """What the engine computed while sampling that the update may reuse (an opaque,
     version-checked ``posttrain.fast.cache.SamplerCache``, asked for with ``extras``); None
@@ -55,13 +94,18 @@ class Rollout:
     def lengths(self) -> torch.Tensor:
         return self.completion_mask.sum(-1)
 
+    @property
+    def finish_reasons(self) -> list[str]:
+        """Each sample's finish reason: ``stop`` (eos or a stop string) or ``length``."""
+        return ["length" if t else "stop" for t in self.truncated.tolist()]
+
 def select(r: Rollout, rows: torch.Tensor) -> Rollout:
     """The samples ``rows`` (indices, in order) of a rollout; group ids are kept."""
     idx = rows.tolist()
     return Rollout(prompt_ids=[r.prompt_ids[i] for i in idx], completion_ids=r.completion_ids[rows],
                    completion_mask=r.completion_mask[rows], logprobs=r.logprobs[rows],
                    truncated=r.truncated[rows], group_ids=r.group_ids[rows],
-                   texts=[r.texts[i] for i in idx],
+                   texts=[r.texts[i] for i in idx], policy_version=r.policy_version,
                    cache=None if r.cache is None else r.cache.rows(rows))
 
 def concat(rollouts: list[Rollout], pad_id: int, width: int = 0) -> Rollout:
@@ -85,6 +129,7 @@ def concat(rollouts: list[Rollout], pad_id: int, width: int = 0) -> Rollout:
         truncated=torch.cat([r.truncated for r in rollouts]),
         group_ids=torch.cat(groups),
         texts=[t for r in rollouts for t in r.texts],
+        policy_version=min(r.policy_version for r in rollouts),
         cache=_concat_caches([r.cache for r in rollouts], T))
 
 

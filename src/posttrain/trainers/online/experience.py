@@ -19,8 +19,8 @@ from posttrain.core import RunningMoments, groups_with_signal, overlong_penalty
 from posttrain.core.algorithms import Algorithm
 from posttrain.rewards import reward_columns
 from posttrain.rewards import score as score_rewards
-from posttrain.rollout import Rollout, RolloutEngine, SamplingParams, concat, select
-from posttrain.rollout.engine import sampling_uniforms
+from posttrain.rollout import Request, Rollout, RolloutEngine, SamplingParams, concat, select
+from posttrain.rollout.engine import request_seed
 
 
 @dataclass
@@ -66,6 +66,14 @@ class ExperienceMaker:
         self.order: list[int] = []
         self.extras: frozenset[str] = frozenset()
         """What the next rollouts keep for the update to reuse (the engine's ``extras``)."""
+        self._ids: dict[str, tuple[int, ...]] = {}
+
+    def prompt_ids(self, row: dict) -> tuple[int, ...]:
+        """The row's prompt as token ids, tokenised once per run (plain text)."""
+        key = row["prompt"]
+        if key not in self._ids:
+            self._ids[key] = tuple(self.tok(key)["input_ids"])
+        return self._ids[key]
 
     def next_rows(self, n: int) -> list[dict]:
         out = []
@@ -110,11 +118,10 @@ class ExperienceMaker:
             rounds += 1
             rows = self.next_rows(want)
             slots = list(range(dist.rank(), want, dist.world_size()))
-            uniforms = sampling_uniforms(cfg.seed, step, rounds, want * G, cfg.max_new_tokens)
-            uniforms = uniforms.view(want, G, -1)[slots].flatten(0, 1)
+            requests = [Request(self.prompt_ids(rows[j]), request_seed(cfg.seed, step, rounds, j))
+                        for j in slots]
             t0 = time.perf_counter()
-            local = self.engine.generate([rows[j]["prompt"] for j in slots], G, self.params,
-                                         uniforms=uniforms, extras=self.extras)
+            local = self.engine.generate(requests, G, self.params, extras=self.extras)
             t1 = time.perf_counter()
             scored = self.score([rows[j] for j in slots], local)
             t_gen, t_reward = t_gen + t1 - t0, t_reward + time.perf_counter() - t1

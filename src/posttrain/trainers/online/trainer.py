@@ -25,7 +25,6 @@ moments) resumes exactly.
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from pathlib import Path
@@ -50,14 +49,15 @@ from posttrain.models import (
     save_model,
     value_head,
 )
+from posttrain.models.weights import hf_weights
 from posttrain.rewards import parse_rewards, reward_columns, score
-from posttrain.rollout import make_engine
 from posttrain.trainers import loop, trained
 from posttrain.trainers.loop.job import Job, StepResult
 from posttrain.trainers.loop.optim import Optim
 from posttrain.trainers.online.batch import TokenBatch
 from posttrain.trainers.online.experience import ExperienceMaker
 from posttrain.trainers.online.metrics import logprob_gap, step_metrics
+from posttrain.trainers.online.sampler import build_engine, make_guard, sampler_module
 from posttrain.trainers.online.update import UpdateInputs, run_updates
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class RLTrainer(Job):
             cfg, name, trained=True))
         self.sharded = cfg.parallel == "fsdp"
         self.merged = self.sharded and lora.is_adapted(self.policy)
-        self.sampler = self._sampler()
+        self.sampler = sampler_module(cfg, self.policy, self.merged, self.sharded)
         self.device = next(self.policy.parameters()).device
         self.share_prompt = decide_share_prompt(cfg.share_prompt, self.policy, cfg.group_size)
         self.ref = None
@@ -101,14 +101,16 @@ class RLTrainer(Job):
                                             cfg.kl_horizon) if cfg.kl_target > 0
                        else FixedKLController(self.algo.reward_kl_coef))
         self.gen = torch.Generator().manual_seed(cfg.seed)
-        try:
-            self.engine = make_engine(cfg.rollout_backend, self.sampler, self.tok, cfg.fast)
-        except ValueError as e:  # a backend that cannot run this model
-            raise ConfigError(str(e)) from None
+        self.engine = build_engine(cfg, self.policy, self.sampler, self.tok)
         # the built-in task's exact-answer check is its accuracy, whatever the reward
         accuracy = builtin_task.reward if cfg.data is None else None
         self.experience = ExperienceMaker(cfg, self.algo, self.engine, self.tok, self.rewards,
                                           self.train_rows, self.gen, accuracy)
+        self.version = 0
+        """The policy version: optimiser steps so far (what the engine's weights are)."""
+        self.correction = cfg.correction()
+        self.guard = make_guard(cfg, self.engine, self.policy, [
+            self.experience.prompt_ids(r) for r in self.train_rows[:2]])
         self.compiled = compile_models(cfg, [self.policy, self.ref, self.critic], self.device)
         self.policy = trained.shard_trained(cfg, self.policy)
         if self.critic is not None:
@@ -122,17 +124,6 @@ class RLTrainer(Job):
         self.packed = False
         """Whether the last batch's shared-prompt passes were packed into one call."""
         self.experience.extras = self.reuse.extras(self.packed)
-
-    def _sampler(self):
-        """What the engine samples from. Sharded: a plain copy of the policy (in the run's
-        dtype, not FSDP's masters'; LoRA: the base's frozen weights shared, the adapted
-        layers merged), refreshed every step. Otherwise the policy itself (with LoRA the
-        lean decoder merges the adapters into its per-call weights)."""
-        if self.merged:
-            return lora.plain_copy(self.policy).eval()
-        if self.sharded:
-            return copy.deepcopy(self.policy).to(getattr(torch, self.cfg.dtype)).eval()
-        return self.policy
 
     def _optimizers(self) -> list[Optim]:
         """The policy's AdamW (its steps move the policy version the sampler cache checks)
@@ -212,6 +203,7 @@ class RLTrainer(Job):
                 if self.algo.reward_kl_coef else self.algo)
         # 1. experience
         exp = self.experience.collect(step)
+        self.engine.sleep()  # where it can, the engine frees its memory for the update
         if not exp.valid.any():
             log.warning("step %d: every sample's reward failed (on_reward_error=skip): the "
                         "step learns nothing", step)
@@ -240,7 +232,7 @@ class RLTrainer(Job):
         recorded = None if old is not None else (torch.zeros_like(mask),
                                                  torch.zeros_like(valid))
         x = UpdateInputs(mask, adv, old, ref, old_values, returns, live, self._local_of(exp),
-                         recorded)
+                         recorded, exp.rollout.logprobs.to(self.device), self.correction)
         critic_opt = self.optimizers[1] if self.critic is not None else None
         sums, n_steps, n_critic = run_updates(
             self.policy, self.critic, algo, tokens, x,
@@ -251,11 +243,14 @@ class RLTrainer(Job):
             recorded = (dist.assemble(recorded[0][own], own, len(mask)),
                         dist.assemble(recorded[1][own].float(), own, len(mask)).bool())
         # 5. the sampler follows the policy; metrics
-        self._sync_sampler(tokens)
+        t_sync = time.perf_counter()
+        checked = self._sync_sampler(tokens, n_steps, step)
+        t_sync = time.perf_counter() - t_sync
         times = {"generate": exp.generate_s, "reward": exp.reward_s,
-                 "passes": t_passes - t0, "update": t_update - t_passes}
+                 "passes": t_passes - t0, "update": t_update - t_passes, "sync": t_sync}
         record, kl = step_metrics(cfg, algo, exp, tokens, scores, mask, valid, old, ref,
                                   old_values, returns, live, sums, n_steps, n_critic, times)
+        record.update(checked)
         if old is not None:
             record.update(logprob_gap(old, exp.rollout.logprobs, mask))
         elif recorded[1].any():  # the first update's log-probs, on the rows it computed
@@ -273,17 +268,23 @@ class RLTrainer(Job):
         local_of[own] = own if self.sharded else torch.arange(len(own), device=self.device)
         return local_of
 
-    def _sync_sampler(self, tokens: TokenBatch | None) -> None:
-        """The engine's weights follow the policy's; and what the next rollouts keep for the
-        update follows this batch's layout (a batch packed into one call replays nothing,
-        so the next need not keep the projections; batches of a run are alike)."""
-        if self.merged:  # gathered from the shards
-            lora.merge_into(self.sampler, self.policy)
-        elif self.sharded:
-            sharding.copy_full_weights(self.sampler, self.policy)
-        self.engine.update_weights(self.sampler)
+    def _sync_sampler(self, tokens: TokenBatch | None, n_steps: int, step: int
+                      ) -> dict[str, float]:
+        """After a step that moved the policy, the engine's weights follow it (the policy's
+        weights streamed one tensor at a time: gathered from the shards, adapters merged;
+        nothing is copied for an engine that decodes with the policy itself), and the guard
+        checks the engine; and what the next rollouts keep for the update follows this
+        batch's layout (a batch packed into one call replays nothing, so the next need not
+        keep the projections; batches of a run are alike). Returns the guard's metrics."""
+        checked: dict[str, float] = {}
+        if n_steps:
+            self.version += n_steps
+            self.engine.sync(hf_weights(self.policy), self.version)
+            if self.guard is not None:
+                checked = self.guard.check(self.policy, step)
         self.packed = bool(self.share_prompt and tokens is not None and tokens.packed)
         self.experience.extras = self.reuse.extras(self.packed)
+        return checked
 
     def _passes(self, algo, tokens: TokenBatch | None, own: torch.Tensor, mask: torch.Tensor):
         """Old log-probs (None when the first update's ratio is exactly 1 and no reward KL

@@ -11,7 +11,8 @@ import torch
 
 from posttrain import dist, sharding
 from posttrain.core import aggregate_loss, masked_mean, step_normalizer, value_loss
-from posttrain.core.algorithms import Algorithm, policy_objective
+from posttrain.core.algorithms import Algorithm, PolicyInputs, policy_objective
+from posttrain.core.correction import Correction
 from posttrain.trainers.loop.optim import Optim
 from posttrain.trainers.online.batch import TokenBatch
 
@@ -36,6 +37,10 @@ class UpdateInputs:
     """Without old log-probs: ``(N, Lc)`` and ``(N,)`` buffers the first pass fills with the
     policy's log-probs at the sampling weights and the rows it computed (the sampler-parity
     metric reads them)."""
+    behaviour: torch.Tensor | None = None
+    """``(N, Lc)`` the engine's log-probs of the sampled tokens (the behaviour policy)."""
+    correction: Correction | None = None
+    """Mismatch correction by π_old / π_behaviour (None: off, and no metrics)."""
 
 
 def _own_live_rows(idx: torch.Tensor, live: torch.Tensor, local_of: torch.Tensor
@@ -61,8 +66,9 @@ def accumulate_policy_gradient(policy, algo: Algorithm, tokens: TokenBatch, mask
                                idx: torch.Tensor, adv: torch.Tensor, old: torch.Tensor | None,
                                ref: torch.Tensor | None, live: torch.Tensor,
                                local_of: torch.Tensor, micro_batch_size: int,
-                               max_new_tokens: int, recorded: tuple | None = None
-                               ) -> dict[str, float]:
+                               max_new_tokens: int, recorded: tuple | None = None,
+                               behaviour: torch.Tensor | None = None,
+                               correction: Correction | None = None) -> dict[str, float]:
     """Backward this rank's share of the loss of the minibatch ``idx`` in micro-batches,
     each aggregated with the normaliser of the whole minibatch (so the summed gradient
     depends neither on ``micro_batch_size`` nor on the number of ranks). ``mask``, ``adv``,
@@ -84,8 +90,9 @@ def accumulate_policy_gradient(policy, algo: Algorithm, tokens: TokenBatch, mask
         old_mb = lp.detach() if old is None else old[mb]
         if recorded is not None:
             recorded[0][mb], recorded[1][mb] = old_mb.to(recorded[0].dtype), True
-        loss_tok, m = policy_objective(algo, lp, old_mb, adv[mb], mask[mb],
-                                       None if ref is None else ref[mb])
+        loss_tok, m = policy_objective(algo, PolicyInputs(
+            lp, old_mb, adv[mb], mask[mb], None if ref is None else ref[mb],
+            None if behaviour is None else behaviour[mb]), correction)
         loss = aggregate_loss(loss_tok, mask[mb], algo.aggregation, norm,
                               constant=algo.loss_constant(max_new_tokens))
         loss.backward()
@@ -168,7 +175,7 @@ def run_updates(policy, critic, algo: Algorithm, tokens: TokenBatch, x: UpdateIn
                 m.update(accumulate_policy_gradient(
                     policy, algo, tokens, x.mask, idx, x.advantages, x.old_logprobs,
                     x.ref_logprobs, live, x.local_of, cfg.micro_batch_size,
-                    cfg.max_new_tokens, x.recorded))
+                    cfg.max_new_tokens, x.recorded, x.behaviour, x.correction))
                 norm["grad_norm"] = policy_opt.step()
                 n_steps += 1
                 if tokens is not None:  # the policy moved: the sampler's cache is stale

