@@ -171,7 +171,9 @@ def test_two_ranks_compute_the_on_policy_update_of_one(name, parallel, runs):
         for k, v in x.items():
             if k.startswith(exact):
                 assert y[k] == v, k
-            elif not k.startswith(("time/", "sampling/logprob_gap")):
+            elif not k.startswith(("time/", "sampling/logprob_gap", "train/rollout_corr/gap",
+                                   "train/rollout_corr/prob_error")):
+                # (the sampler/trainer gaps are rounding itself: ~1e-6, any order changes them)
                 # float32 sums in another order; an O(1e-3) metric (KL) has O(1e-10) error
                 assert y[k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
     if name == "dapo":  # dynamic sampling took part: groups were dropped and refilled
