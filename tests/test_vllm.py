@@ -39,12 +39,6 @@ def model_and_engine():
         yield model, tok, engine
 
 
-def _sequences(ro):
-    seqs = [list(p) + ro.completion_ids[i][ro.completion_mask[i].bool()].tolist()
-            for i, p in enumerate(ro.prompt_ids)]
-    return seqs, [len(p) for p in ro.prompt_ids]
-
-
 def _bound(model) -> float:
     """Two float32 forwards of the same log-probs differ by at most twice the rounding
     bound of one (relative error norm)."""
@@ -55,7 +49,7 @@ def _bound(model) -> float:
 def _behaviour_vs_trainer(model, ro, temperature: float) -> float:
     """||engine log-probs − trainer log-probs at ``temperature``|| / ||trainer's||."""
     num = den = 0.0
-    for i, (seq, k) in enumerate(zip(*_sequences(ro), strict=True)):
+    for i, (seq, k) in enumerate(zip(*ro.sequences(), strict=True)):
         ids = torch.tensor([seq])
         with torch.no_grad():
             z = model(input_ids=ids).logits[0, k - 1:-1].double() / temperature
@@ -78,7 +72,7 @@ def test_behaviour_log_probs_are_the_trainers_at_the_sampling_temperature(model_
     assert _behaviour_vs_trainer(model, ro, 0.7) <= _bound(model)
     # and the temperature matters far beyond rounding (the check can fail)
     assert _behaviour_vs_trainer(model, ro, 1.0) > 100 * _bound(model)
-    seqs, lens = _sequences(ro)
+    seqs, lens = ro.sequences()
     for got, want in zip(engine.score(seqs, lens), trainer_logprobs(model, seqs, lens),
                          strict=True):
         assert float((got - want).norm()) <= _bound(model) * float(want.norm()) + 1e-6

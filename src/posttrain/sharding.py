@@ -19,9 +19,10 @@ compute the update of one process.
   zero-weight ones (:func:`lockstep`), evaluation with discarded batches.
 - **What stays whole.** The frozen reference (and DPO's) is a plain replicated model (no
   collectives; its memory is not divided). The rollout engine samples from a plain copy of
-  the policy whose weights are gathered once per RL step (:func:`copy_full_weights`, one
-  parameter at a time): it costs one full copy of the weights per rank, and it lets the lean
-  decoder run; the replay of its projections is off (the update's forward is sharded).
+  the policy whose weights are streamed into it once per RL step
+  (``posttrain.models.weights.hf_weights``, one parameter gathered at a time): it costs one
+  full copy of the weights per rank, and it lets the lean decoder run; the replay of its
+  projections is off (the update's forward is sharded).
 - **Checkpoints** hold full (gathered) model and optimiser states in the same format as an
   unsharded run, so a run resumes on any number of ranks and in either mode.
 """
@@ -119,15 +120,6 @@ def _comm_device() -> torch.device:
 def full_tensor(x):
     """A sharded tensor (DTensor) gathered whole on every rank; anything else as it is."""
     return x.full_tensor() if hasattr(x, "full_tensor") else x
-
-
-@torch.no_grad()
-def copy_full_weights(plain: torch.nn.Module, sharded: torch.nn.Module) -> None:
-    """Copy ``sharded``'s parameters, gathered one at a time, into the plain model of the
-    same architecture (collective: every rank calls it)."""
-    target = dict(plain.named_parameters())
-    for name, p in sharded.named_parameters():
-        target[name].copy_(full_tensor(p.detach()))
 
 
 def full_state(model) -> dict[str, torch.Tensor] | None:

@@ -151,6 +151,19 @@ def _whole(x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
+def merged_weight(m) -> torch.Tensor:
+    """An adapted linear layer's ``W + (α/r)·B·A`` over its active adapters, whole (a
+    sharded layer is gathered: collective)."""
+    w = _whole(m.base_layer.weight)
+    merged = w.clone()
+    for a in m.active_adapters:
+        if a in m.lora_A:
+            delta = _whole(m.lora_B[a].weight) @ _whole(m.lora_A[a].weight)
+            merged += (delta.T if m.fan_in_fan_out else delta).to(w.dtype) * m.scaling[a]
+    return merged
+
+
+@torch.no_grad()
 def merge_into(plain, adapted) -> None:
     """Set each adapted linear layer of the plain copy to ``W + (α/r)·B·A`` (and copy the
     trainable heads), from the adapted model's current adapters. A sharded (FSDP2) adapted
@@ -158,14 +171,7 @@ def merge_into(plain, adapted) -> None:
     target = dict(plain.named_modules())
     for name, m in adapted.get_base_model().named_modules():
         if hasattr(m, "lora_A") and hasattr(m, "base_layer"):
-            w = _whole(m.base_layer.weight)
-            merged = w.clone()
-            for a in m.active_adapters:
-                if a in m.lora_A:
-                    delta = _whole(m.lora_B[a].weight) @ _whole(m.lora_A[a].weight)
-                    merged += (delta.T if m.fan_in_fan_out else delta).to(w.dtype) \
-                        * m.scaling[a]
-            target[name].weight.copy_(merged)
+            target[name].weight.copy_(merged_weight(m))
         elif hasattr(m, "modules_to_save") and hasattr(m, "original_module"):
             active = m.modules_to_save[m.active_adapters[0]]
             target[name].load_state_dict({k: _whole(v) for k, v in
@@ -193,6 +199,7 @@ __all__ = [
     "load",
     "merge",
     "merge_into",
+    "merged_weight",
     "plain_copy",
     "require_peft",
     "wanted",

@@ -16,24 +16,24 @@ import torch
 from posttrain.sharding import full_tensor
 
 
-def _merged_linear(m) -> torch.Tensor:
-    w = full_tensor(m.base_layer.weight.detach())
-    merged = w.clone()
-    for a in m.active_adapters:
-        if a in m.lora_A:
-            delta = (full_tensor(m.lora_B[a].weight.detach())
-                     @ full_tensor(m.lora_A[a].weight.detach()))
-            merged += (delta.T if m.fan_in_fan_out else delta).to(w.dtype) * m.scaling[a]
-    return merged
+def text_config(model):
+    """The language model's config (the base's for an adapted model; the text part of a
+    multimodal one)."""
+    from posttrain.models.lora import is_adapted
+
+    config = (model.get_base_model() if is_adapted(model) else model).config
+    return getattr(config, "get_text_config", lambda: config)()
 
 
-def _adapted(model) -> Iterator[tuple[str, torch.Tensor]]:
+def _adapted(model, changed_only: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    from posttrain.models.lora import merged_weight
+
     base = model.get_base_model()
     done: set[str] = set()
     for name, m in base.named_modules():
         prefix = f"{name}." if name else ""
         if hasattr(m, "lora_A") and hasattr(m, "base_layer"):
-            yield f"{prefix}weight", _merged_linear(m)
+            yield f"{prefix}weight", merged_weight(m)
             if getattr(m.base_layer, "bias", None) is not None:
                 yield f"{prefix}bias", full_tensor(m.base_layer.bias.detach())
             done.add(prefix)
@@ -45,18 +45,22 @@ def _adapted(model) -> Iterator[tuple[str, torch.Tensor]]:
     for name, p in base.named_parameters():
         if any(name.startswith(d) for d in done) or ".lora_" in name:
             continue
-        yield name, full_tensor(p.detach())
+        if not changed_only or p.requires_grad:
+            yield name, full_tensor(p.detach())
 
 
-def hf_weights(model, dtype: torch.dtype | None = None
+def hf_weights(model, dtype: torch.dtype | None = None, changed_only: bool = False
                ) -> Iterator[tuple[str, torch.Tensor]]:
     """``model``'s parameters as (name, whole tensor), one at a time (see the module
     docstring), on the CPU in ``dtype`` (the parameter's own when None). Tied weights come
     once, under the first name that holds them (``named_parameters`` lists a shared
-    parameter once)."""
+    parameter once). ``changed_only``: only what training can change (the merged adapted
+    layers and the trainable parameters), for a receiver that already holds the rest; a
+    frozen base is then not gathered at every sync."""
     from posttrain.models.lora import is_adapted
 
-    source = _adapted(model) if is_adapted(model) else (
-        (n, full_tensor(p.detach())) for n, p in model.named_parameters())
+    source = _adapted(model, changed_only) if is_adapted(model) else (
+        (n, full_tensor(p.detach())) for n, p in model.named_parameters()
+        if not changed_only or p.requires_grad)
     for name, t in source:
         yield name, t.to("cpu", dtype or t.dtype).contiguous()

@@ -67,9 +67,9 @@ class RolloutEngine:
     shares_weights = False
     """It decodes with the trainer's own module: a sync has nothing to copy and the guard
     nothing to check."""
-    exact = False
-    """Its log-probs are the trainer's forward's up to rounding (same kernels, same dtype):
-    mismatch correction stays off by default."""
+    partial_sync = False
+    """A sync may carry only the tensors training changes (``hf_weights(changed_only=True)``):
+    the engine keeps the rest it was built with."""
     version = 0
     """The policy version of the weights it samples with (set by :meth:`sync`)."""
 
@@ -199,7 +199,7 @@ class DecodingEngine(RolloutEngine):
     trainer's, already updated in place. Built on a module of its own (a sharded run's
     plain copy), a sync copies the stream into it, one tensor at a time."""
 
-    exact = True
+    partial_sync = True
 
     def __init__(self, model, tokenizer, shares_weights: bool = True):
         self.model, self.tokenizer = model, tokenizer

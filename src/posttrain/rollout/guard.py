@@ -74,8 +74,9 @@ class SyncGuard:
     def __init__(self, engine, model, sequences: list[list[int]], prompt_lens: list[int],
                  engine_dtype: torch.dtype, trainer_dtype: torch.dtype):
         self.engine, self.sequences, self.prompt_lens = engine, sequences, prompt_lens
-        config = getattr(model, "config", None)
-        config = getattr(config, "get_text_config", lambda: config)()
+        from posttrain.models.weights import text_config
+
+        config = text_config(model)
         scale: list[float] = []
         ours = trainer_logprobs(model, sequences, prompt_lens, scale)
         self.floor = dtype_bound(engine_dtype, trainer_dtype, config, max(scale, default=0.0))

@@ -94,6 +94,12 @@ class Rollout:
     def lengths(self) -> torch.Tensor:
         return self.completion_mask.sum(-1)
 
+    def sequences(self) -> tuple[list[list[int]], list[int]]:
+        """Each sample as prompt + completion token ids, and its prompt's length."""
+        seqs = [list(p) + c[m.bool()].tolist() for p, c, m in
+                zip(self.prompt_ids, self.completion_ids, self.completion_mask, strict=True)]
+        return seqs, [len(p) for p in self.prompt_ids]
+
     @property
     def finish_reasons(self) -> list[str]:
         """Each sample's finish reason: ``stop`` (eos or a stop string) or ``length``."""

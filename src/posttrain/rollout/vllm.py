@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from posttrain.models.weights import text_config
 from posttrain.rollout.engine import RolloutEngine
 from posttrain.rollout.types import Request, Rollout, SamplingParams, cut_at_stop, sample_seed
 
@@ -63,13 +64,6 @@ def _import_vllm():
                                 f"{str(e).splitlines()[0] if str(e) else ''}); see "
                                 "docs/engines.md") from None
     return vllm
-
-
-def _text_config(model):
-    from posttrain.models.lora import is_adapted
-
-    config = (model.get_base_model() if is_adapted(model) else model).config
-    return getattr(config, "get_text_config", lambda: config)()
 
 
 def _tied_names(model) -> tuple[str, str] | None:
@@ -119,7 +113,6 @@ class VLLMEngine(RolloutEngine):
     """Sample through a colocated vLLM engine (see the module docstring)."""
 
     name = "vllm"
-    exact = False
 
     def __init__(self, model, tokenizer, options: VLLMOptions):
         vllm = _import_vllm()
@@ -145,7 +138,7 @@ class VLLMEngine(RolloutEngine):
                           enforce_eager=not self.cuda, enable_prefix_caching=True,
                           logprobs_mode="processed_logprobs",
                           tensor_parallel_size=options.tensor_parallel_size)
-            longest = getattr(_text_config(model), "max_position_embeddings", None)
+            longest = getattr(text_config(model), "max_position_embeddings", None)
             if options.max_model_len or longest:
                 kwargs["max_model_len"] = min(x for x in (options.max_model_len, longest) if x)
             if self.cuda:

@@ -59,7 +59,5 @@ def make_guard(cfg, engine, policy, prompts: list[tuple[int, ...]]) -> SyncGuard
         return None
     ro = engine.generate([Request(p) for p in prompts], 1, SamplingParams(
         temperature=0.0, max_new_tokens=cfg.max_new_tokens))
-    seqs = [list(p) + ro.completion_ids[i][ro.completion_mask[i].bool()].tolist()
-            for i, p in enumerate(ro.prompt_ids)]
-    return SyncGuard(engine, policy, seqs, [len(p) for p in ro.prompt_ids], engine.dtype,
+    return SyncGuard(engine, policy, *ro.sequences(), engine.dtype,
                      next(policy.parameters()).dtype)

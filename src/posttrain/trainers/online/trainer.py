@@ -279,7 +279,8 @@ class RLTrainer(Job):
         checked: dict[str, float] = {}
         if n_steps:
             self.version += n_steps
-            self.engine.sync(hf_weights(self.policy), self.version)
+            self.engine.sync(hf_weights(self.policy, changed_only=self.engine.partial_sync),
+                             self.version)
             if self.guard is not None:
                 checked = self.guard.check(self.policy, step)
         self.packed = bool(self.share_prompt and tokens is not None and tokens.packed)
