@@ -13,7 +13,13 @@ training and reference forwards; generation runs uncompiled, as posttrain's lean
 does; its first step holds the compile). ``identical_malloc``: ``identical`` with TRL's
 process given the glibc setting posttrain's trainers apply by default
 (``posttrain.fast.memory.keep_freed_memory``), to show how much of the difference that
-setting makes.
+setting makes. ``vllm``: ``identical`` with both sampling through a vLLM engine colocated in
+the trainer's process (posttrain ``rollout_backend=vllm``; TRL ``use_vllm=True,
+vllm_mode="colocate"``), each with its default mismatch correction (token-level truncated
+importance weights in both), its weight sync after every step and its own engine settings
+(posttrain: 1 GiB of KV cache and vLLM's threads left unbound; TRL: vLLM's defaults, which
+bind them); run it in the vLLM
+environment (docs/engines.md), where ``identical`` gives the lean-engine figures beside it.
 
 Models: ``small`` (~0.5M: hidden 128, 2 layers) and ``medium`` (~25M: hidden 512, 8 layers),
 random init with the built-in byte tokenizer; the reward is the built-in task's exact answer
@@ -23,7 +29,7 @@ median step (skipping ``--warmup`` steps), the median over repeats, their ratio,
 run's peak RSS (``wait4``).
 
 Usage: python benchmarks/grpo_speed.py [--sizes small medium] [--repeats 3] [--steps 8]
-       [--settings identical defaults identical_compiled compiled identical_malloc]
+       [--settings identical defaults identical_compiled compiled identical_malloc vllm]
 Needs the bench extra: pip install -e '.[bench]'
 """
 
@@ -66,8 +72,10 @@ def _run_posttrain(model_dir, steps, setting, out) -> dict:
               prompts_per_step=PROMPTS, group_size=G, max_new_tokens=NEW, lr=LR,
               builtin_eval_size=0, eval_every=0, log_every=1, device="cpu",
               tensorboard=False)
-    if setting.startswith("identical") or setting == "compiled":
+    if setting.startswith("identical") or setting in ("compiled", "vllm"):
         kw.update(kl_coef=BETA, minibatch_size=PROMPTS * G, micro_batch_size=PROMPTS * G)
+    if setting == "vllm":
+        kw.update(rollout_backend="vllm")
     if setting in ("identical_compiled", "compiled"):
         kw.update(compile=True)
     cfg = RLConfig(**kw)
@@ -96,11 +104,14 @@ def _run_trl(model_dir, steps, setting, out) -> dict:
                   learning_rate=LR, report_to="none", save_strategy="no", use_cpu=True,
                   disable_tqdm=True, logging_steps=10_000, dataloader_num_workers=0,
                   temperature=1.0)
-    if setting.startswith("identical") or setting == "compiled":
+    if setting.startswith("identical") or setting in ("compiled", "vllm"):
+        vllm = dict(use_vllm=setting == "vllm")
+        if setting == "vllm":
+            vllm.update(vllm_mode="colocate", vllm_enable_sleep_mode=False)
         args = GRPOConfig(**common, beta=BETA, epsilon=0.2, loss_type="grpo",
                           scale_rewards="group", bf16=False, gradient_checkpointing=False,
-                          use_vllm=False, lr_scheduler_type="constant",
-                          torch_compile=setting == "compiled")
+                          lr_scheduler_type="constant", torch_compile=setting == "compiled",
+                          **vllm)
     else:
         args = GRPOConfig(**common)
     trainer = GRPOTrainer(model=model, reward_funcs=[task.reward], args=args,

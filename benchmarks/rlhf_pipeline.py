@@ -11,7 +11,11 @@ Reported: held-out greedy task accuracy (exact answer; never a training signal h
 reward model's mean score before and after PPO, the mean per-sequence KL to the reference
 (k1, nats) at every step — its maximum and last value — and the wall time of each stage.
 
+``--rollout_backend vllm`` samples the PPO stage through vLLM (run it in the vLLM
+environment, docs/engines.md); the default is the lean engine.
+
 Usage (from the repository root): python benchmarks/rlhf_pipeline.py [--out DIR] [--seed N]
+       [--rollout_backend auto|lean|hf|vllm]
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/bench-rlhf")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rollout_backend", default="auto")
     args = p.parse_args()
     out = Path(args.out)
     seed = f"--seed={args.seed}"
@@ -52,7 +57,7 @@ def main() -> int:
     run_rl(config.load(PPOConfig, "configs/builtin/ppo.yaml",
                        [f"--model={out}/sft/final", f"--reward=rm:{out}/rm/final",
                         f"--output_dir={out}/ppo", seed, again, "--tensorboard=false",
-                        "--log_every=1"]))
+                        "--log_every=1", f"--rollout_backend={args.rollout_backend}"]))
     times["ppo"] = time.perf_counter() - t0
 
     rows = [json.loads(x) for x in (out / "ppo" / "metrics.jsonl").read_text().splitlines()]

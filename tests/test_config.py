@@ -191,6 +191,8 @@ def test_dump_load_round_trip(tmp_path, cls):
     ("grpo", ["--data", "x.jsonl"], "--data needs --reward"),
     ("grpo", ["--rollout_backend", "sglang"], "rollout_backend"),
     ("grpo", ["--vllm_kv_cache_gb", "2"], "vllm_kv_cache_gb.*rollout_backend=auto"),
+    ("grpo", ["--rollout_backend", "vllm", "--vllm_kv_cache_gb", "0.5"], "vllm_kv_cache_gb"),
+    ("grpo", ["--rollout_backend", "vllm", "--vllm_kv_cache_gb", "0"], "vllm_kv_cache_gb"),
     ("grpo", ["--rollout_correction", "tis"], "rollout_correction must be"),
     ("grpo", ["--rollout_correction", "token_mask", "--rollout_correction_low", "2"],
      "rollout_correction: token_mask"),

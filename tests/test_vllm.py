@@ -244,3 +244,58 @@ def test_sigkill_and_resume_through_vllm(tmp_path):
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def _grpo_run(out, ranks: int, *extra: str) -> list[dict]:
+    """A short GRPO run through vLLM in one process or on ``ranks`` torchrun ranks (gloo,
+    one thread each); its metrics rows."""
+    launch = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+               "--standalone"] if ranks > 1 else [sys.executable])
+    args = ["grpo", "--rollout_backend", "vllm", "--max_steps", "3", "--prompts_per_step",
+            "3", "--group_size", "4", "--max_new_tokens", "8", "--kl_coef", "0.04",
+            "--minibatch_size", "6", "--lr", "1e-5", "--builtin_train_size", "32",
+            "--builtin_eval_size", "5", "--eval_every", "3", "--log_every", "1", "--seed",
+            "3", "--vllm_kv_cache_gb", "1", "--tensorboard", "false", "--output_dir",
+            str(out), *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([*launch, "-m", "posttrain", *args], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("vllm-one") / "run"
+    return out, _grpo_run(out, 1)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("parallel", "tp"), [("ddp", 1), ("fsdp", 1), ("ddp", 2)])
+def test_two_ranks_through_vllm_compute_the_update_of_one(tmp_path, one_process_run,
+                                                          parallel, tp):
+    """Under torchrun every rank runs an engine of its own on the trainer's process group
+    (vLLM's external_launcher) and samples its share of the prompts (3 prompts: 2 and 1);
+    the per-request seeds draw the completions one process draws, so rewards and counts
+    agree exactly and the final weights within 1e-5 (the ranks sum in another order).
+    Under fsdp each sync gathers the shards a tensor at a time into every rank's engine.
+    With tensor parallel 2 the two ranks are one engine: each sends its requests to the
+    group and takes back its own, with the same result."""
+    from safetensors.torch import load_file
+
+    one_dir, one = one_process_run
+    two_dir = tmp_path / "two"
+    two = _grpo_run(two_dir, 2, "--parallel", parallel, "--vllm_tensor_parallel_size",
+                    str(tp))
+    assert [r["step"] for r in one] == [r["step"] for r in two]
+    exact = ("reward/", "groups/", "completion/", "eval/accuracy", "samples/")
+    for x, y in zip(one, two, strict=True):
+        for k, v in x.items():
+            if k.startswith(exact):
+                assert y[k] == v, k
+        if "sync/gap_mean" in y:
+            assert y["sync/gap_mean"] <= y["sync/tolerance"]
+    a = load_file(str(one_dir / "final" / "model.safetensors"))
+    b = load_file(str(two_dir / "final" / "model.safetensors"))
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-5)

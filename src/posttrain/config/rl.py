@@ -128,14 +128,15 @@ class RLConfig(RunConfig):
     the bound of the two dtypes (docs/engines.md)."""
     vllm_dtype: str = "auto"
     """vllm: the engine's dtype (float32, bfloat16, float16); auto = the policy's."""
-    vllm_kv_cache_gb: float = 1.0
-    """vllm on the CPU: GiB of KV cache."""
+    vllm_kv_cache_gb: int = 1
+    """vllm on the CPU: GiB of KV cache (whole GiB: vLLM's ``VLLM_CPU_KVCACHE_SPACE``)."""
     vllm_gpu_memory_utilization: float = 0.3
     """vllm on CUDA: the share of the GPU's memory the engine may take."""
     vllm_sleep: bool = True
     """vllm on CUDA: free the engine's weights and KV cache while the trainer updates."""
     vllm_tensor_parallel_size: int = 1
-    """vllm on CUDA: GPUs per engine (tensor parallel); 1 = an engine per rank."""
+    """vllm: ranks per engine (tensor parallel across k consecutive torchrun ranks; k must
+    divide the ranks); 1 = an engine per rank."""
     replay_projections: bool = True
     """With fast: the lean sampler keeps each projection's output, and the policy's passes
     before its first optimizer step (the update of a one-update step, the old log-probs)
@@ -223,8 +224,8 @@ class RLConfig(RunConfig):
                         f"rollout_backend={self.rollout_backend} (they set the vllm engine)")
         check(self.vllm_dtype in ("auto", "float32", "bfloat16", "float16"),
               "vllm_dtype must be auto, float32, bfloat16 or float16")
-        check(self.vllm_kv_cache_gb > 0 and 0 < self.vllm_gpu_memory_utilization <= 1
-              and self.vllm_tensor_parallel_size >= 1, "vllm_kv_cache_gb must be > 0, "
+        check(self.vllm_kv_cache_gb >= 1 and 0 < self.vllm_gpu_memory_utilization <= 1
+              and self.vllm_tensor_parallel_size >= 1, "vllm_kv_cache_gb must be ≥ 1, "
               "vllm_gpu_memory_utilization in (0, 1] and vllm_tensor_parallel_size ≥ 1")
 
     def correction(self):

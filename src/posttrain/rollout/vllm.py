@@ -7,6 +7,10 @@ token ids and seeds, returning the behaviour log-probs of what it sampled
   from the trained weights, and no path of the user's is read by vLLM.
 - ``sync`` streams (name, tensor) pairs into the engine with vLLM's ``reload_weights``
   (one tensor at a time from the trainer's side) and resets the prefix cache.
+- Under ``torchrun`` every rank runs an engine of its own on the process group the trainer
+  made (vLLM's ``external_launcher``), sampling its own share of the prompts; with
+  ``tensor_parallel_size`` k > 1, each k consecutive ranks form one engine, and a rank's
+  requests are gathered in its group, sampled once and handed back.
 - On CUDA, ``gpu_memory_utilization`` bounds the engine's share of the GPU and, with
   ``sleep``, ``sleep()`` / ``wake()`` free its weights and KV cache between rollouts. On
   the CPU the KV cache is ``VLLM_CPU_KVCACHE_SPACE`` GiB (``kv_cache_gb``).
@@ -41,8 +45,8 @@ class EngineUnavailable(RuntimeError):
 class VLLMOptions:
     dtype: str = "auto"
     """The engine's dtype: auto = the policy's."""
-    kv_cache_gb: float = 1.0
-    """CPU: GiB of KV cache (``VLLM_CPU_KVCACHE_SPACE``)."""
+    kv_cache_gb: int = 1
+    """CPU: GiB of KV cache (``VLLM_CPU_KVCACHE_SPACE``, whole GiB)."""
     gpu_memory_utilization: float = 0.3
     """CUDA: the share of the GPU's memory the engine may take."""
     sleep: bool = True
@@ -109,6 +113,43 @@ def _write_model(model, tokenizer, path: str, dtype: torch.dtype,
     tokenizer.save_pretrained(path)
 
 
+def _world() -> tuple[int, int]:
+    """(rank, world size) of the trainer's process group, (0, 1) without one."""
+    import torch.distributed as td
+
+    if td.is_available() and td.is_initialized():
+        return td.get_rank(), td.get_world_size()
+    return 0, 1
+
+
+def _launcher(tp: int) -> dict:
+    """vLLM's arguments for the ranks it runs on: one process (where vLLM starts its own
+    workers for tensor parallel), or ``torchrun``'s ranks (``external_launcher``: vLLM
+    joins the trainer's process group; ranks beyond a tensor-parallel group are
+    independent engines)."""
+    rank, world = _world()
+    if world == 1:  # one process: vLLM's own executor (its workers, when tp > 1)
+        return {}
+    if world % tp:
+        raise EngineUnavailable(f"vllm_tensor_parallel_size={tp} does not divide the "
+                                f"{world} ranks")
+    os.environ.setdefault("RANK", str(rank))  # torchrun sets these; a hand-made group may not
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    return {"distributed_executor_backend": "external_launcher"}
+
+
+def _sampled_logprobs(logprobs, tokens: list[int]) -> list[float]:
+    """The log-prob of each sampled token from vLLM's per-position log-probs (flat arrays,
+    or a dict per position)."""
+    starts = getattr(logprobs, "start_indices", None)
+    if starts is None:
+        return [step[t].logprob for step, t in zip(logprobs, tokens, strict=True)]
+    if len(starts) != len(tokens) or any(logprobs.token_ids[s] != t
+                                         for s, t in zip(starts, tokens, strict=True)):
+        raise RuntimeError("vLLM returned log-probs that are not the sampled tokens'")
+    return [logprobs.logprobs[s] for s in starts]
+
+
 class VLLMEngine(RolloutEngine):
     """Sample through a colocated vLLM engine (see the module docstring)."""
 
@@ -125,11 +166,12 @@ class VLLMEngine(RolloutEngine):
         self.dtype = dtype
         self.cuda = self.device.type == "cuda"
         if not self.cuda:
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{options.kv_cache_gb:g}")
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(options.kv_cache_gb)))
         self._dir = tempfile.mkdtemp(prefix="posttrain-vllm-")
         self.llm = None
         self.asleep = False
         self._tied = None
+        self._grouped = options.tensor_parallel_size > 1 and _world()[1] > 1
         try:
             self._tied = _tied_names(model)
             _write_model(model, tokenizer, self._dir, dtype, self._tied)
@@ -141,6 +183,7 @@ class VLLMEngine(RolloutEngine):
             longest = getattr(text_config(model), "max_position_embeddings", None)
             if options.max_model_len or longest:
                 kwargs["max_model_len"] = min(x for x in (options.max_model_len, longest) if x)
+            kwargs.update(_launcher(options.tensor_parallel_size))
             if self.cuda:
                 kwargs.update(gpu_memory_utilization=options.gpu_memory_utilization,
                               enable_sleep_mode=options.sleep)
@@ -158,10 +201,13 @@ class VLLMEngine(RolloutEngine):
     # --- sampling ------------------------------------------------------------------------
     def _params(self, p: SamplingParams, seed: int | None, **extra):
         eos = self.tokenizer.eos_token_id
+        # flat log-probs, and no detokenising unless stop strings need the text (the texts
+        # are decoded here, once): vLLM's per-token bookkeeping is most of its overhead
         return self._vllm.SamplingParams(
             n=1, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k or -1,
             max_tokens=p.max_new_tokens, seed=seed, logprobs=0, stop=list(p.stop) or None,
-            stop_token_ids=[eos] if eos is not None else None, **extra)
+            stop_token_ids=[eos] if eos is not None else None, flat_logprobs=True,
+            detokenize=bool(p.stop), **extra)
 
     def generate(self, requests: list[Request], n: int = 1,
                  params: SamplingParams | None = None,
@@ -182,26 +228,45 @@ class VLLMEngine(RolloutEngine):
                         int(torch.randint(2**62, (1,), generator=generator)))
                 prompts.append({"prompt_token_ids": list(r.prompt_ids)})
                 sps.append(self._params(params, seed))
-        outs = self.llm.generate(prompts, sps, use_tqdm=False)
+        outs = self._in_group(lambda p, s: self.llm.generate(p, s, use_tqdm=False),
+                              prompts, sps)
         return self._rollout(requests, n, params, [o.outputs[0] for o in outs])
+
+    def _in_group(self, run, prompts: list, params):
+        """``run(prompts, params)`` for this rank's prompts. In a tensor-parallel group every
+        rank must send the engine the same requests: the group's are gathered, run once
+        (by every rank of the group, in step), and this rank's share returned."""
+        if not self._grouped:
+            return run(prompts, params)
+        import torch.distributed as td
+        from vllm.distributed.parallel_state import get_tp_group
+
+        group = get_tp_group()
+        shares = [None] * group.world_size
+        td.all_gather_object(shares, (prompts, params), group=group.cpu_group)
+        outs = run([p for ps, _ in shares for p in ps],
+                   [x for ps, sp in shares for x in (sp if isinstance(sp, list) else
+                                                      [sp] * len(ps))])
+        start = sum(len(ps) for ps, _ in shares[:group.rank_in_group])
+        return outs[start:start + len(prompts)]
 
     def _rollout(self, requests, n: int, params: SamplingParams, outs) -> Rollout:
         pad = self.tokenizer.pad_token_id
-        N = len(outs)
-        T = max([len(o.token_ids) for o in outs] + [0])
-        ids = torch.full((N, T), pad, dtype=torch.long)
-        lps = torch.zeros(N, T)
-        mask = torch.zeros(N, T, dtype=torch.long)
-        truncated = torch.zeros(N, dtype=torch.bool)
-        for i, o in enumerate(outs):
-            toks = list(o.token_ids)
-            ids[i, :len(toks)] = torch.tensor(toks, dtype=torch.long)
-            mask[i, :len(toks)] = 1
-            if params.temperature > 0 and o.logprobs is not None:
-                lps[i, :len(toks)] = torch.tensor(
-                    [step[t].logprob for step, t in zip(o.logprobs, toks, strict=True)])
-            truncated[i] = o.finish_reason == "length"
-        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        rows = [list(o.token_ids) for o in outs]
+        N, T = len(rows), max(map(len, rows), default=0)
+        ids = torch.tensor([r + [pad] * (T - len(r)) for r in rows],
+                           dtype=torch.long).reshape(N, T)
+        mask = torch.tensor([[1] * len(r) + [0] * (T - len(r)) for r in rows],
+                            dtype=torch.long).reshape(N, T)
+        if params.temperature > 0:
+            lps = torch.tensor([(_sampled_logprobs(o.logprobs, r) if o.logprobs is not None
+                                 else [0.0] * len(r)) + [0.0] * (T - len(r))
+                                for o, r in zip(outs, rows, strict=True)]).reshape(N, T)
+        else:
+            lps = torch.zeros(N, T)
+        truncated = torch.tensor([o.finish_reason == "length" for o in outs],
+                                 dtype=torch.bool).reshape(N)
+        texts = self.tokenizer.batch_decode(rows, skip_special_tokens=True)
         if params.stop:
             texts = [cut_at_stop(x, params.stop) for x in texts]
         P = len(requests)
@@ -215,8 +280,8 @@ class VLLMEngine(RolloutEngine):
         tokens after its prompt."""
         self.wake()
         sp = self._vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
-        outs = self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences], sp,
-                                 use_tqdm=False)
+        outs = self._in_group(lambda p, s: self.llm.generate(p, s, use_tqdm=False),
+                              [{"prompt_token_ids": list(s)} for s in sequences], sp)
         return [torch.tensor([o.prompt_logprobs[t][s[t]].logprob for t in range(k, len(s))])
                 for o, s, k in zip(outs, sequences, prompt_lens, strict=True)]
 
