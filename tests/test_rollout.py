@@ -628,3 +628,40 @@ def test_engines_are_chosen_by_backend_and_fast(tiny_model_dir):
         assert captured is (backend == "lean") is ("projections" in engine.extras)
         engine.close()
     assert texts[0] == texts[1]
+
+
+@pytest.mark.parametrize("backend", ["lean", "hf"])
+def test_an_engine_on_a_copy_frees_it_while_asleep_and_a_sync_brings_it_back(builtin,
+                                                                             backend):
+    """An in-process engine on a module of its own (a sharded run's plain copy) frees, when
+    put to sleep for the update, the tensors a sync refills, and says it needs one; the
+    sync allocates them again, and the engine then draws exactly what it drew before.
+    Before the first sync it frees nothing (nothing says yet what a sync sends); a stream
+    that leaves out a freed tensor is refused."""
+    import copy
+
+    from posttrain.models.weights import hf_weights
+    from posttrain.rollout import make_engine, requests_for
+
+    model, tok = builtin
+    engine = make_engine(backend, copy.deepcopy(model), tok, shares_weights=False)
+    params = SamplingParams(temperature=1.0, max_new_tokens=6)
+    reqs = requests_for(tok, ADD_PROMPTS, [1, 2, 3, 4])
+    before = engine.generate(reqs, 3, params)
+    engine.sleep()
+    assert not engine.needs_sync and all(p.numel() for p in engine.model.parameters())
+    engine.sync(hf_weights(model, changed_only=True), 1)
+    engine.sleep()
+    sizes = [p.numel() for p in engine.model.parameters()]
+    assert engine.needs_sync and sum(sizes) == 0
+    engine.sync(hf_weights(model, changed_only=True), 2)
+    assert not engine.needs_sync
+    assert [p.shape for p in engine.model.parameters()] == [p.shape for p in model.parameters()]
+    after = engine.generate(reqs, 3, params)
+    assert torch.equal(after.completion_ids, before.completion_ids)
+    assert torch.equal(after.logprobs, before.logprobs)
+    engine.sleep()
+    first = next(iter(dict(model.named_parameters())))
+    partial = ((n, t) for n, t in hf_weights(model) if n != first)
+    with pytest.raises(RuntimeError, match="left out tensors the engine freed"):
+        engine.sync(partial, 3)

@@ -72,6 +72,9 @@ class RolloutEngine:
     the engine keeps the rest it was built with."""
     version = 0
     """The policy version of the weights it samples with (set by :meth:`sync`)."""
+    needs_sync = False
+    """Its :meth:`sleep` dropped weights that only a sync brings back: the trainer syncs it
+    before the next rollout even after a step that left the policy as it was."""
 
     def generate(self, requests: list[Request], n: int = 1,
                  params: SamplingParams | None = None,
@@ -197,22 +200,48 @@ class DecodingEngine(RolloutEngine):
     """An engine that decodes with a module in this process. Built on the trainer's own
     policy (``shares_weights``) it reads nothing of a sync's stream: the weights are the
     trainer's, already updated in place. Built on a module of its own (a sharded run's
-    plain copy), a sync copies the stream into it, one tensor at a time."""
+    plain copy), a sync copies the stream into it, one tensor at a time, and :meth:`sleep`
+    frees what the syncs refill (the tensors training changes) while the trainer updates:
+    the copy exists from a sync to the end of the next rollout, never during the update."""
 
     partial_sync = True
 
     def __init__(self, model, tokenizer, shares_weights: bool = True):
         self.model, self.tokenizer = model, tokenizer
         self.shares_weights = shares_weights
+        self._refilled: dict[str, torch.Size] = {}  # name -> shape of what a sync sends
+        self._dropped: set[str] = set()
 
     def sync(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         if not self.shares_weights:
             own = dict(self.model.named_parameters())
+            seen: dict[str, torch.Size] = {}
             with torch.no_grad():
                 for name, tensor in weights:
                     if name in own:
-                        own[name].copy_(tensor)
+                        p = own[name]
+                        if name in self._dropped:
+                            p.data = torch.empty(self._refilled[name], dtype=p.dtype,
+                                                 device=p.device)
+                        p.copy_(tensor)
+                        seen[name] = p.shape
+            if self._dropped - seen.keys():
+                raise RuntimeError("the weight stream left out tensors the engine freed: "
+                                   f"{sorted(self._dropped - seen.keys())[:3]}")
+            self._refilled, self._dropped = seen, set()
+            self.needs_sync = False
         self.version = version
+
+    def sleep(self) -> None:
+        """Free the tensors the last sync refilled (none before the first sync: the copy
+        the engine was built with stays until a sync has shown what it sends)."""
+        if self.shares_weights or self.model is None or self._dropped or not self._refilled:
+            return
+        for name, p in self.model.named_parameters():
+            if name in self._refilled:
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self._dropped = set(self._refilled)
+        self.needs_sync = True
 
     def score(self, sequences: list[list[int]], prompt_lens: list[int]) -> list[torch.Tensor]:
         from posttrain.rollout.guard import trainer_logprobs

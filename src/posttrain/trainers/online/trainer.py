@@ -277,11 +277,11 @@ class RLTrainer(Job):
         batch's layout (a batch packed into one call replays nothing, so the next need not
         keep the projections; batches of a run are alike). Returns the guard's metrics."""
         checked: dict[str, float] = {}
-        if n_steps:
+        if n_steps or self.engine.needs_sync:  # (its sleep freed weights: bring them back)
             self.version += n_steps
             self.engine.sync(hf_weights(self.policy, changed_only=self.engine.partial_sync),
                              self.version)
-            if self.guard is not None:
+            if self.guard is not None and n_steps:
                 checked = self.guard.check(self.policy, step)
         self.packed = bool(self.share_prompt and tokens is not None and tokens.packed)
         self.experience.extras = self.reuse.extras(self.packed)
