@@ -210,7 +210,11 @@ class DecodingEngine(RolloutEngine):
         self.model, self.tokenizer = model, tokenizer
         self.shares_weights = shares_weights
         self._refilled: dict[str, torch.Size] = {}  # name -> shape of what a sync sends
-        self._dropped: set[str] = set()
+        self._freed = False  # sleep() emptied the tensors of _refilled
+
+    @property
+    def needs_sync(self) -> bool:
+        return self._freed
 
     def sync(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         if not self.shares_weights:
@@ -220,28 +224,27 @@ class DecodingEngine(RolloutEngine):
                 for name, tensor in weights:
                     if name in own:
                         p = own[name]
-                        if name in self._dropped:
+                        if self._freed and name in self._refilled:
                             p.data = torch.empty(self._refilled[name], dtype=p.dtype,
                                                  device=p.device)
                         p.copy_(tensor)
                         seen[name] = p.shape
-            if self._dropped - seen.keys():
+            missing = self._refilled.keys() - seen.keys() if self._freed else set()
+            if missing:
                 raise RuntimeError("the weight stream left out tensors the engine freed: "
-                                   f"{sorted(self._dropped - seen.keys())[:3]}")
-            self._refilled, self._dropped = seen, set()
-            self.needs_sync = False
+                                   f"{sorted(missing)[:3]}")
+            self._refilled, self._freed = seen, False
         self.version = version
 
     def sleep(self) -> None:
         """Free the tensors the last sync refilled (none before the first sync: the copy
         the engine was built with stays until a sync has shown what it sends)."""
-        if self.shares_weights or self.model is None or self._dropped or not self._refilled:
+        if self.shares_weights or self.model is None or self._freed or not self._refilled:
             return
         for name, p in self.model.named_parameters():
             if name in self._refilled:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        self._dropped = set(self._refilled)
-        self.needs_sync = True
+        self._freed = True
 
     def score(self, sequences: list[list[int]], prompt_lens: list[int]) -> list[torch.Tensor]:
         from posttrain.rollout.guard import trainer_logprobs

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from posttrain import dist
 from posttrain.models.weights import text_config
 from posttrain.rollout.engine import RolloutEngine
 from posttrain.rollout.types import Request, Rollout, SamplingParams, cut_at_stop, sample_seed
@@ -113,21 +114,12 @@ def _write_model(model, tokenizer, path: str, dtype: torch.dtype,
     tokenizer.save_pretrained(path)
 
 
-def _world() -> tuple[int, int]:
-    """(rank, world size) of the trainer's process group, (0, 1) without one."""
-    import torch.distributed as td
-
-    if td.is_available() and td.is_initialized():
-        return td.get_rank(), td.get_world_size()
-    return 0, 1
-
-
 def _launcher(tp: int) -> dict:
     """vLLM's arguments for the ranks it runs on: one process (where vLLM starts its own
     workers for tensor parallel), or ``torchrun``'s ranks (``external_launcher``: vLLM
     joins the trainer's process group; ranks beyond a tensor-parallel group are
     independent engines)."""
-    rank, world = _world()
+    rank, world = dist.rank(), dist.world_size()
     if world == 1:  # one process: vLLM's own executor (its workers, when tp > 1)
         return {}
     if world % tp:
@@ -171,7 +163,7 @@ class VLLMEngine(RolloutEngine):
         self.llm = None
         self.asleep = False
         self._tied = None
-        self._grouped = options.tensor_parallel_size > 1 and _world()[1] > 1
+        self._grouped = options.tensor_parallel_size > 1 and dist.world_size() > 1
         try:
             self._tied = _tied_names(model)
             _write_model(model, tokenizer, self._dir, dtype, self._tied)
