@@ -268,7 +268,6 @@ def test_chat_rows_use_chat_template(tok):
     row = {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"},
                         {"role": "assistant", "content": "yo"}]}
     rows = data.validate("src", [row], "sft")
-    assert data.render_prompt(tok, rows[0]) == ("<|system|>S\n<|user|>hi\n<|assistant|>", "yo")
     (enc,) = data.encode_sft(tok, "src", rows, 64, "error")
     assert enc.prompt == ids("<|system|>S\n<|user|>hi\n<|assistant|>")
     assert enc.completions == [[*ids("yo"), EOS]]
@@ -278,7 +277,10 @@ def test_chat_without_template_falls_back(tok):
     plain = build_tokenizer()
     plain.chat_template = None
     row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
-    assert data.render_prompt(plain, row) == ("user: hi\nassistant: ", "yo")
+    (enc,) = data.encode_sft(plain, "src", data.validate("src", [row], "sft"), 64, "error")
+    assert enc.prompt == plain("user: hi\nassistant: ")["input_ids"]
+    assert enc.completions == [[*plain("yo", add_special_tokens=False)["input_ids"],
+                                plain.eos_token_id]]
 
 
 def long_rows():

@@ -154,8 +154,9 @@ def _messages(source: str, row: dict, n: int) -> list[dict]:
 
 
 def validate(source: str, rows: list, kind: str) -> list[dict]:
-    """Check every row for ``kind`` (sft, preference, rl); return rows with ``_row`` set."""
-    if kind not in ("sft", "preference", "rl"):
+    """Check every row for ``kind`` (sft, preference, rl, env); return rows with ``_row``
+    set."""
+    if kind not in ("sft", "preference", "rl", "env"):
         raise ValueError(f"unknown data kind {kind!r}")
     if not rows:
         raise DataError(source, None, None, "no rows")
@@ -185,9 +186,9 @@ def validate(source: str, rows: list, kind: str) -> list[dict]:
                                 f"{type(margin).__name__}")
             if margin is not None and not math.isfinite(float(margin)):
                 raise DataError(source, n, "margin", f"expected a finite number, got {margin}")
-        else:
+        elif kind == "rl":
             _need_text(source, row, n, "prompt")
-        out.append(clean)
+        out.append(clean)  # env: any object (the environment reads it)
     return out
 
 
@@ -199,19 +200,6 @@ def load(source: str | list[dict], kind: str) -> tuple[str, list[dict]]:
 
 # --- tokenisation ----------------------------------------------------------------------------
 
-def render_prompt(tokenizer, row: dict) -> tuple[str, str]:
-    """``(prompt, completion)`` text of an SFT row (chat rows through the chat template)."""
-    if "messages" not in row:
-        return row["prompt"], row["completion"]
-    msgs = row["messages"]
-    if getattr(tokenizer, "chat_template", None):
-        prompt = tokenizer.apply_chat_template(msgs[:-1], add_generation_prompt=True,
-                                               tokenize=False)
-    else:
-        prompt = "".join(f"{m['role']}: {m['content']}\n" for m in msgs[:-1]) + "assistant: "
-    return prompt, msgs[-1]["content"]
-
-
 @dataclass
 class Encoded:
     """A tokenised prompt with one or more completions (each ending in eos)."""
@@ -222,6 +210,9 @@ class Encoded:
     margin: float | None = None
     ref_logps: tuple[float, ...] | None = None
     """Cached reference log-likelihoods of the completions (DPO)."""
+    trained: list[list[int]] | None = None
+    """Per completion, 1 on the tokens the loss trains (a multi-turn conversation's
+    assistant turns); None: all of them."""
 
 
 class Tokenise:
@@ -267,13 +258,55 @@ def encode_sft(tokenizer, source: str, rows: list[dict], max_length: int, overlo
     tk = Tokenise(tokenizer, max_length, overlong, source)
     out = []
     for row in rows:
-        prompt, completion = render_prompt(tokenizer, row)
-        field = "messages" if "messages" in row else "completion"
-        enc = tk(row, prompt, {field: completion})
+        if "messages" in row:
+            enc = encode_conversation(tk, row)
+        else:
+            enc = tk(row, row["prompt"], {"completion": row["completion"]})
         if enc is not None:
             out.append(enc)
     tk.report()
     return out
+
+
+def encode_conversation(tk: Tokenise, row: dict) -> Encoded | None:
+    """A ``messages`` row as one sequence, trained on every assistant turn (its content and
+    eos) and on nothing else: the messages before the first assistant turn are the prompt,
+    and what lies between assistant turns (the turn's closing, the other roles' messages,
+    the next generation prompt) is appended untrained, in the layout episodes are sampled
+    in (``posttrain.episodes.render``)."""
+    from posttrain.episodes.render import Renderer
+
+    msgs, renderer = row["messages"], Renderer(tk.tok)
+    first = next(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+    prompt = renderer.start(msgs[:first])
+    ids: list[int] = []
+    trained: list[int] = []
+    i = first
+    while i < len(msgs):
+        turn = [*tk._ids(msgs[i]["content"], special=False), tk.tok.eos_token_id]
+        ids += turn
+        trained += [1] * len(turn)
+        j = i + 1
+        while j < len(msgs) and msgs[j]["role"] != "assistant":
+            j += 1
+        if j < len(msgs):  # another assistant turn follows: what comes between, untrained
+            between = renderer.between(True, msgs[i + 1:j])
+            ids += between
+            trained += [0] * len(between)
+        i = j
+    if len(prompt) + len(ids) > tk.max_length:
+        if tk.overlong == "error":
+            raise DataError(tk.source, row["_row"], "messages",
+                            f"{len(prompt) + len(ids)} tokens, over max_length="
+                            f"{tk.max_length}; raise max_length or set overlong to truncate "
+                            "or drop")
+        keep = tk.max_length - len(prompt)
+        if tk.overlong == "drop" or keep <= 0 or not any(trained[:keep]):
+            tk.dropped += 1
+            return None
+        ids, trained = ids[:keep], trained[:keep]
+        tk.truncated += 1
+    return Encoded(prompt, [ids], row["_row"], trained=[trained])
 
 
 def encode_pairs(tokenizer, source: str, rows: list[dict], max_length: int, overlong: str
@@ -286,9 +319,10 @@ def encode_pairs(tokenizer, source: str, rows: list[dict], max_length: int, over
     return out
 
 
-def pad_sequences(prompts: list[list[int]], completions: list[list[int]], pad_id: int
-                  ) -> dict[str, torch.Tensor]:
-    """Right-padded ``input_ids``, ``attention_mask`` and completion ``loss_mask``, ``(B, T)``."""
+def pad_sequences(prompts: list[list[int]], completions: list[list[int]], pad_id: int,
+                  trained: list[list[int] | None] | None = None) -> dict[str, torch.Tensor]:
+    """Right-padded ``input_ids``, ``attention_mask`` and completion ``loss_mask``, ``(B, T)``;
+    ``trained``: per completion, 1 on its tokens the loss takes (None: all)."""
     seqs = [p + c for p, c in zip(prompts, completions, strict=True)]
     lengths = torch.tensor([len(x) for x in seqs])
     starts = torch.tensor([len(p) for p in prompts])
@@ -297,6 +331,10 @@ def pad_sequences(prompts: list[list[int]], completions: list[list[int]], pad_id
     cols = torch.arange(T)
     attention_mask = (cols < lengths[:, None]).long()
     loss_mask = (attention_mask.bool() & (cols >= starts[:, None])).long()
+    if trained is not None and any(t is not None for t in trained):
+        for i, (p, t) in enumerate(zip(prompts, trained, strict=True)):
+            if t is not None:
+                loss_mask[i, len(p):len(p) + len(t)] = torch.tensor(t, dtype=torch.long)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
 
 

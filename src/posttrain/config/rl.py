@@ -32,6 +32,21 @@ class RLConfig(RunConfig):
     """Weights of the reward terms, comma-separated (default 1 each)."""
     on_reward_error: str = "raise"
     """raise: stop on a reward that fails or is NaN; skip: leave the sample out and count it."""
+    env: str | None = None
+    """Multi-turn episodes: an environment class, file.py:Name or module:Name, made once per
+    sampled trajectory as Name(row, **env_kwargs) (docs/environments.md); builtin = the
+    built-in multi-turn task (its start: --model builtin-episodes, taken when --model is
+    left at builtin). None: single-turn completions of the rows' prompts."""
+    env_kwargs: str | None = None
+    """env: keyword arguments of the environment class, as a JSON object."""
+    env_timeout: float = 30.0
+    """env: seconds an environment's reset or step may take; 0 = no limit."""
+    max_turns: int = 4
+    """env: most assistant turns per episode (an episode still running then is truncated)."""
+    max_episode_tokens: int = 256
+    """env: most tokens after the first message, every turn's and every message's (an
+    episode reaching it is truncated, its last turn's reward kept); max_new_tokens bounds
+    each turn."""
     missing_eos_penalty: float = 0.0
     """Subtracted from the score of completions that hit max_new_tokens without eos or a
     stop string."""
@@ -162,7 +177,8 @@ class RLConfig(RunConfig):
         check(self.rollout_backend in ("auto", "hf", "lean", "vllm"),
                "rollout_backend must be auto, hf, lean or vllm")
         self._check_engine()
-        if self.data is not None and not self.reward:
+        self._check_env()
+        if self.data is not None and not self.reward and not self.env:
             raise ConfigError("--data needs --reward (module:function, file.py:function or "
                               "rm:DIR)")
         check(self.fast or self.rollout_backend != "lean",
@@ -208,6 +224,24 @@ class RLConfig(RunConfig):
             self.refuse(("overlong_cache",), f"{self.algo}, which has no overlong shaping")
         if self.kl_target == 0:
             self.refuse(("kl_horizon",), "a fixed KL coefficient (kl_horizon needs kl_target)")
+
+    def _check_env(self) -> None:
+        if not self.env:
+            self.refuse(("env_kwargs", "env_timeout", "max_turns", "max_episode_tokens"),
+                        "single-turn runs (they set --env's episodes)")
+            return
+        check(self.env == "builtin" or self.data is not None,
+              f"--env {self.env} needs --data: the rows its episodes are made from")
+        check(self.max_turns >= 1 and self.max_episode_tokens >= 1 and self.env_timeout >= 0,
+              "max_turns and max_episode_tokens must be ≥ 1 and env_timeout ≥ 0")
+        from posttrain.episodes.env import parse_kwargs
+
+        try:
+            parse_kwargs(self.env_kwargs)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if self.env == "builtin" and self.model == "builtin":
+            self.model = "builtin-episodes"  # the built-in model SFT'd on the task's protocol
 
     def _check_engine(self) -> None:
         from posttrain.core.correction import CORRECTIONS

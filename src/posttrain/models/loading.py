@@ -35,9 +35,14 @@ ADAPTER_CONFIG = "adapter_config.json"
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-def builtin_model_dir() -> Path:
-    """The shipped default model (see ``posttrain.builtin.build``)."""
-    return Path(__file__).parent.parent / "builtin" / "model"
+BUILTIN_EPISODES = "builtin-episodes"
+
+
+def builtin_model_dir(name: str = BUILTIN) -> Path:
+    """The shipped default model (see ``posttrain.builtin.build``); ``builtin-episodes``: it
+    SFT'd on the built-in multi-turn task (``posttrain.builtin.episodes``)."""
+    return Path(__file__).parent.parent / "builtin" / (
+        "episodes_model" if name == BUILTIN_EPISODES else "model")
 
 class ModelError(ValueError):
     """A model, tokenizer or checkpoint that cannot be found or read, with its path."""
@@ -47,12 +52,13 @@ def resolve(name: str) -> str:
     """``"builtin"`` → the shipped model's directory; an existing directory as it is; a name
     that looks like a local path but does not exist is an error here (never sent to the hub);
     anything else is a hub id, which must be in the local cache or the hub reachable."""
-    if name == BUILTIN:
-        path = builtin_model_dir()
+    if name in (BUILTIN, BUILTIN_EPISODES):
+        path = builtin_model_dir(name)
         if not (path / "config.json").exists():
             raise FileNotFoundError(
-                f"the built-in model is missing from {path}; rebuild it with "
-                "`python -m posttrain.builtin.build`")
+                f"the built-in model {name} is missing from {path}; rebuild it with "
+                "`python -m posttrain.builtin.build" +
+                (" --episodes`" if name == BUILTIN_EPISODES else "`"))
         return str(path)
     path = Path(name).expanduser()
     if path.exists():
@@ -164,7 +170,7 @@ def is_adapter(name: str | Path) -> bool:
     """Whether ``name`` is a peft adapter directory: ``adapter_config.json`` and no
     ``config.json`` of its own."""
     path = Path(name).expanduser()
-    return (str(name) != BUILTIN and (path / ADAPTER_CONFIG).is_file()
+    return (str(name) not in (BUILTIN, BUILTIN_EPISODES) and (path / ADAPTER_CONFIG).is_file()
             and not (path / "config.json").is_file())
 
 
@@ -184,7 +190,7 @@ def adapter_base(name: str | Path) -> str:
         raise ModelError(f"adapter {name}: {ADAPTER_CONFIG} names no base model "
                          "(base_model_name_or_path)")
     given, beside = Path(base).expanduser(), path / base
-    if base == BUILTIN or given.exists():
+    if base in (BUILTIN, BUILTIN_EPISODES) or given.exists():
         found = base
     elif not given.is_absolute() and beside.exists():
         found = str(beside)

@@ -84,6 +84,13 @@ class Rollout:
     """Decoded completions without special tokens (cut at a stop string)."""
     policy_version: int = 0
     """The version of the weights that sampled it (the engine's last :meth:`sync`)."""
+    loss_mask: torch.Tensor | None = None
+    """(N, Tc) 1 on the tokens the policy sampled and the loss trains, where that differs
+    from ``completion_mask``: an episode's completion holds the environment's messages too
+    (``posttrain.episodes``); None: every completion token was sampled."""
+    stats: dict[str, torch.Tensor] | None = None
+    """Per-sample numbers ``(N,)`` the step's metrics average (an episode's turns, its
+    environment's seconds and counters); None for none."""
     cache: Any = None
     """What the engine computed while sampling that the update may reuse (an opaque,
     version-checked ``posttrain.fast.cache.SamplerCache``, asked for with ``extras``); None
@@ -93,6 +100,11 @@ class Rollout:
     @property
     def lengths(self) -> torch.Tensor:
         return self.completion_mask.sum(-1)
+
+    @property
+    def trained_mask(self) -> torch.Tensor:
+        """(N, Tc) 1 on the sampled tokens (those the loss trains)."""
+        return self.completion_mask if self.loss_mask is None else self.loss_mask
 
     def sequences(self) -> tuple[list[list[int]], list[int]]:
         """Each sample as prompt + completion token ids, and its prompt's length."""
@@ -112,6 +124,8 @@ def select(r: Rollout, rows: torch.Tensor) -> Rollout:
                    completion_mask=r.completion_mask[rows], logprobs=r.logprobs[rows],
                    truncated=r.truncated[rows], group_ids=r.group_ids[rows],
                    texts=[r.texts[i] for i in idx], policy_version=r.policy_version,
+                   loss_mask=None if r.loss_mask is None else r.loss_mask[rows],
+                   stats=None if r.stats is None else {k: v[rows] for k, v in r.stats.items()},
                    cache=None if r.cache is None else r.cache.rows(rows))
 
 def concat(rollouts: list[Rollout], pad_id: int, width: int = 0) -> Rollout:
@@ -136,7 +150,20 @@ def concat(rollouts: list[Rollout], pad_id: int, width: int = 0) -> Rollout:
         group_ids=torch.cat(groups),
         texts=[t for r in rollouts for t in r.texts],
         policy_version=min(r.policy_version for r in rollouts),
+        loss_mask=(None if all(r.loss_mask is None for r in rollouts) else
+                   torch.cat([pad(r.trained_mask, 0) for r in rollouts])),
+        stats=_concat_stats(rollouts),
         cache=_concat_caches([r.cache for r in rollouts], T))
+
+
+def _concat_stats(rollouts: list[Rollout]) -> dict[str, torch.Tensor] | None:
+    """The rounds' per-sample stats joined (0 for a key a round lacks)."""
+    if all(r.stats is None for r in rollouts):
+        return None
+    keys = sorted({k for r in rollouts if r.stats for k in r.stats})
+    return {k: torch.cat([r.stats[k].double() if r.stats and k in r.stats
+                          else torch.zeros(len(r.truncated), dtype=torch.float64)
+                          for r in rollouts]) for k in keys}
 
 
 def _concat_caches(parts: list, T: int):

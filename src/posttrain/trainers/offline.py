@@ -205,7 +205,8 @@ class SFTTrainer(OfflineJob):
     def collate(self, examples):
         return data_mod.pad_sequences([e.prompt for e in examples],
                                       [e.completions[0] for e in examples],
-                                      self.tokenizer.pad_token_id)
+                                      self.tokenizer.pad_token_id,
+                                      [e.trained[0] if e.trained else None for e in examples])
 
     def units(self, batch):
         return int(batch["loss_mask"][:, 1:].sum())

@@ -67,6 +67,15 @@ class ExperienceMaker:
         self.extras: frozenset[str] = frozenset()
         """What the next rollouts keep for the update to reuse (the engine's ``extras``)."""
         self._ids: dict[str, tuple[int, ...]] = {}
+        self.env = None
+        """The run's episodes (``--env``): an :class:`~posttrain.episodes.env.EnvSpec`, or
+        None for single-turn completions."""
+        if cfg.env:
+            from posttrain.episodes import EnvSpec, EpisodeLimits, Renderer
+
+            self.env = EnvSpec.parse(cfg.env, cfg.env_kwargs, cfg.env_timeout)
+            self.limits = EpisodeLimits(cfg.max_turns, cfg.max_episode_tokens)
+            self.renderer = Renderer(tokenizer)
 
     def prompt_ids(self, row: dict) -> tuple[int, ...]:
         """The row's prompt as token ids, tokenised once per run (plain text)."""
@@ -74,6 +83,17 @@ class ExperienceMaker:
         if key not in self._ids:
             self._ids[key] = tuple(self.tok(key)["input_ids"])
         return self._ids[key]
+
+    def first_prompt_ids(self, row: dict) -> tuple[int, ...]:
+        """The prompt a row's first sample starts from: its prompt's ids, or with an
+        environment the first message of an episode of it."""
+        if self.env is None:
+            return self.prompt_ids(row)
+        from posttrain.episodes import Episode
+
+        data = {k: v for k, v in row.items() if k != "_row"}
+        first = Episode(self.env, data, row.get("_row", 1)).reset()
+        return tuple(self.renderer.start([{"role": "user", "content": first}]))
 
     def next_rows(self, n: int) -> list[dict]:
         out = []
@@ -83,17 +103,58 @@ class ExperienceMaker:
             out.append(self.train_rows[self.order.pop()])
         return out
 
-    def score(self, rows: list[dict], rollout: Rollout):
-        G = self.cfg.group_size
+    def sample(self, rows: list[dict], seeds: list[int | None], n: int,
+               params: SamplingParams, extras: frozenset[str] = frozenset(),
+               shaping: bool = True):
+        """``n`` samples of each row, scored: single-turn completions of their prompts, or
+        (with an environment) episodes. Returns ``(rollout, (total, terms, valid,
+        correct), seconds sampling, seconds scoring)``; the environments' seconds count as
+        sampling (and are in the rollout's ``stats``)."""
+        t0 = time.perf_counter()
+        if self.env is None:
+            requests = [Request(self.prompt_ids(r), s) for r, s in zip(rows, seeds, strict=True)]
+            rollout = self.engine.generate(requests, n, params, extras=extras)
+            eps = None
+        else:
+            from posttrain.episodes import run_episodes
+
+            eps = run_episodes(self.engine, self.tok, self.env, rows, n, seeds, params,
+                               self.limits, self.cfg.on_reward_error, self.renderer,
+                               self.cfg.max_length)
+            rollout = eps.rollout
+        t1 = time.perf_counter()
+        scored = self.score(rows, rollout, n, eps, shaping)
+        return rollout, scored, t1 - t0, time.perf_counter() - t1
+
+    def score(self, rows: list[dict], rollout: Rollout, n: int | None = None, episodes=None,
+              shaping: bool = True):
+        """``(total, terms, valid, correct)`` of ``rollout`` (``n`` samples of each row).
+        Episodes: the total is the return (the sum of the turn rewards, term ``env``) plus
+        the reward terms, which read the first message as the prompt and the transcript
+        after it as the completion; a sample is correct when its total reaches 1."""
+        G = n or self.cfg.group_size
         rep = [r for r in rows for _ in range(G)]
         columns = reward_columns(rep)
-        prompts = [r["prompt"] for r in rep]
-        total, terms, valid = score_rewards(self.rewards, prompts, rollout.texts, columns,
-                                    self.cfg.on_reward_error)
-        correct = self.correct(prompts, rollout.texts, columns, terms)
-        if self.algo.overlong_shaping:
-            shaping = overlong_penalty(rollout.lengths, self.cfg.max_new_tokens,
-                                       min(self.cfg.overlong_cache, self.cfg.max_new_tokens))
+        if episodes is None:
+            prompts = [r["prompt"] for r in rep]
+            total, terms, valid = score_rewards(self.rewards, prompts, rollout.texts, columns,
+                                                self.cfg.on_reward_error)
+            correct = self.correct(prompts, rollout.texts, columns, terms)
+        else:
+            total, terms, valid = episodes.returns, {"env": episodes.returns}, episodes.valid
+            if self.rewards:
+                columns.pop("prompt", None)
+                extra, more, ok = score_rewards(self.rewards, episodes.first, rollout.texts,
+                                                columns, self.cfg.on_reward_error)
+                total, valid = total + extra, valid & ok
+                terms.update(more)
+            total = torch.where(valid, total, 0.0)
+            correct = total >= 1
+        if self.algo.overlong_shaping and shaping:
+            budget = self.cfg.max_episode_tokens if episodes is not None else \
+                self.cfg.max_new_tokens
+            shaping = overlong_penalty(rollout.lengths, budget,
+                                       min(self.cfg.overlong_cache, budget))
             terms["overlong"] = shaping
             total = total + shaping
         return total, terms, valid, correct
@@ -118,15 +179,12 @@ class ExperienceMaker:
             rounds += 1
             rows = self.next_rows(want)
             slots = list(range(dist.rank(), want, dist.world_size()))
-            requests = [Request(self.prompt_ids(rows[j]), request_seed(cfg.seed, step, rounds, j))
-                        for j in slots]
-            t0 = time.perf_counter()
-            local = self.engine.generate(requests, G, self.params, extras=self.extras)
-            t1 = time.perf_counter()
-            scored = self.score([rows[j] for j in slots], local)
-            t_gen, t_reward = t_gen + t1 - t0, t_reward + time.perf_counter() - t1
+            local, scored, dt_gen, dt_reward = self.sample(
+                [rows[j] for j in slots], [request_seed(cfg.seed, step, rounds, j)
+                                           for j in slots], G, self.params, self.extras)
+            t_gen, t_reward = t_gen + dt_gen, t_reward + dt_reward
             rollout, (total, terms, valid, correct), own = self._gather(local, scored, slots)
-            sampled += int(rollout.lengths.sum())
+            sampled += int(rollout.trained_mask.sum())
             if self.algo.dynamic_sampling:
                 n_groups = len(rows)
                 rollout, (total, terms, valid, correct), local, own, n_kept = self._with_signal(

@@ -48,14 +48,23 @@ def step_metrics(cfg, algo, exp, tokens, scores, mask, valid, old, ref, old_valu
         "completion/length_mean": float(ro.lengths.float().mean()),
         "completion/length_max": int(ro.lengths.max()),
         "completion/truncated_frac": float(ro.truncated.float().mean()),
+        # (episodes: completion = every token after the first message; truncated = an
+        # episode cut at max_turns or max_episode_tokens)
         "groups/zero_signal_frac": float((~groups_with_signal(exp.scores, ro.group_ids))
                                          .view(-1, G).all(-1).float().mean()),
         "groups/dropped": exp.dropped_groups, "sampling/rounds": exp.rounds,
         "samples/backward_frac": float(live.float().mean()),
         "optim/steps": n_steps,
         **{f"time/{k}_s": v for k, v in times.items()},
-        "time/tokens_per_s": float(ro.lengths.sum()) / max(times["generate"], 1e-9),
+        "time/tokens_per_s": float(ro.trained_mask.sum()) / max(times["generate"], 1e-9),
     })
+    if ro.loss_mask is not None:  # episodes: the sampled tokens apart from the messages
+        record["completion/sampled_tokens_mean"] = float(ro.loss_mask.sum(-1).float().mean())
+    if ro.stats:
+        record.update({f"episodes/{k}_mean": float(v.mean()) for k, v in ro.stats.items()
+                       if k != "env_s"})
+        if "env_s" in ro.stats:
+            record["time/env_s"] = float(ro.stats["env_s"].sum())
     if cfg.missing_eos_penalty or cfg.reward_normalize or cfg.reward_clip:
         record["reward/shaped_mean"] = float(scores[valid].mean())
     kl = None

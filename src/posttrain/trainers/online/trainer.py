@@ -92,7 +92,9 @@ class RLTrainer(Job):
         if self.algo.needs_reference and not lora.is_adapted(self.policy):
             self.ref = trained.load_policy(cfg, cfg.model).eval().requires_grad_(False)
         self.train_rows, self.eval_rows = self._rows()
-        self.rewards = parse_rewards(cfg.reward or "builtin", cfg.reward_weights, cfg.device)
+        # episodes: the environment's turn rewards, plus any reward terms given
+        self.rewards = parse_rewards(cfg.reward or ("" if cfg.env else "builtin"),
+                                     cfg.reward_weights, cfg.device)
         for term in self.rewards:  # reward models (rm:DIR) run the same forward speed-ups
             if isinstance(getattr(term.fn, "model", None), torch.nn.Module):
                 fast.prepare_model(term.fn.model, cfg.fast)
@@ -103,14 +105,14 @@ class RLTrainer(Job):
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.engine = build_engine(cfg, self.policy, self.sampler, self.tok)
         # the built-in task's exact-answer check is its accuracy, whatever the reward
-        accuracy = builtin_task.reward if cfg.data is None else None
+        accuracy = builtin_task.reward if cfg.data is None and not cfg.env else None
         self.experience = ExperienceMaker(cfg, self.algo, self.engine, self.tok, self.rewards,
                                           self.train_rows, self.gen, accuracy)
         self.version = 0
         """The policy version: optimiser steps so far (what the engine's weights are)."""
         self.correction = cfg.correction()
         self.guard = make_guard(cfg, self.engine, self.policy, [
-            self.experience.prompt_ids(r) for r in self.train_rows[:2]])
+            self.experience.first_prompt_ids(r) for r in self.train_rows[:2]])
         self.compiled = compile_models(cfg, [self.policy, self.ref, self.critic], self.device)
         self.policy = trained.shard_trained(cfg, self.policy)
         if self.critic is not None:
@@ -141,6 +143,14 @@ class RLTrainer(Job):
     def _rows(self) -> tuple[list[dict], list[dict]]:
         """Training and held-out prompts, each checked against max_length."""
         cfg = self.cfg
+        if cfg.env:  # the environment makes the prompts (and checks their length)
+            if cfg.data is None:
+                from posttrain.builtin import episodes
+
+                return (episodes.rows(cfg.builtin_train_size, "train", cfg.seed),
+                        episodes.rows(cfg.builtin_eval_size, "eval", cfg.seed))
+            return (data_mod.load(cfg.data, "env")[1],
+                    data_mod.load(cfg.eval_data, "env")[1] if cfg.eval_data else [])
         if cfg.data is None:
             sets = [(data_mod.BUILTIN_SOURCE,
                      builtin_task.rl_rows(cfg.builtin_train_size, "train", cfg.seed)),
@@ -214,10 +224,12 @@ class RLTrainer(Job):
         if self.sharded:
             exp.local, exp.own = exp.rollout, torch.arange(len(exp.valid))[dist.rank()::
                                                                            dist.world_size()]
-        tokens = (TokenBatch(exp.local, self.tok.pad_token_id, self.device, self.share_prompt,
+        share = self.share_prompt and (exp.rollout.loss_mask is None
+                                       or _groups_share_prompts(exp.rollout))
+        tokens = (TokenBatch(exp.local, self.tok.pad_token_id, self.device, share,
                              cfg.temperature) if len(exp.own) or self.sharded else None)
         valid = exp.valid.to(self.device)
-        mask = exp.rollout.completion_mask.to(self.device).float() * valid[:, None]
+        mask = exp.rollout.trained_mask.to(self.device).float() * valid[:, None]
         # 2. passes: old log-probs, reference log-probs, old values
         old, ref, old_values = self._passes(algo, tokens, exp.own, mask)
         t_passes = time.perf_counter()
@@ -340,7 +352,14 @@ class RLTrainer(Job):
             return {}
         rows = dist.shard(self.eval_rows)
         n_correct = reward = n_valid = 0.0
-        if rows:
+        if rows and self.experience.env is not None:
+            from posttrain.episodes.evaluate import greedy_episodes
+
+            correct, total, valid = greedy_episodes(self.experience, rows,
+                                                    self.cfg.eval_batch_size)
+            n_correct, n_valid = float(correct.sum()), float(valid.sum())
+            reward = float(total[valid].double().sum())
+        elif rows:
             prompts = [r["prompt"] for r in rows]
             completions = greedy_completions(self.engine, prompts, self.cfg.max_new_tokens,
                                              self.cfg.eval_batch_size)
@@ -384,6 +403,16 @@ class RLTrainer(Job):
 
     def train(self) -> dict[str, float]:
         return loop.run(self.cfg, self, self.cfg.max_steps)
+
+
+def _groups_share_prompts(rollout) -> bool:
+    """Whether every group's samples start from the same prompt (an environment's first
+    message may differ between the episodes of one row)."""
+    first: dict[int, list[int]] = {}
+    for g, p in zip(rollout.group_ids.tolist(), rollout.prompt_ids, strict=True):
+        if first.setdefault(g, p) != p:
+            return False
+    return True
 
 
 def run_rl(cfg: RLConfig) -> dict[str, float]:

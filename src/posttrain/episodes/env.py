@@ -1,0 +1,167 @@
+"""The environment protocol: what a user writes to train on episodes.
+
+An environment is a class, named as ``path/to/file.py:Name`` or ``module:Name``
+(``--env``), constructed once per sampled trajectory as ``Name(row, **env_kwargs)``:
+``row`` is the data row as a dict (the G samples of a group get G episodes of the same
+row). It has two methods:
+
+- ``reset() -> str``: the first user message;
+- ``step(text) -> (message, reward, done)``: given the assistant's turn as text (without
+  its end-of-turn token), the next message (a string is a ``user`` turn, a ``{"role": ...,
+  "content": ...}`` dict picks the role, e.g. ``tool``; None when there is none), this
+  turn's reward (a finite number) and whether the episode is over.
+
+A ``reset`` or ``step`` that raises, returns the wrong types or a non-finite reward, or runs
+past the timeout is an :class:`EnvError` naming the class, the row and the turn.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib
+import importlib.util
+import json
+import math
+import numbers
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class EnvError(ValueError):
+    """An environment broke the protocol (one line: class, row, turn, what)."""
+
+
+def load_object(spec: str, what: str):
+    """``module:Name`` or ``path/to/file.py:Name`` → the object it names."""
+    if ":" not in spec:
+        raise ValueError(f"{what} {spec!r}: expected module:Name or file.py:Name")
+    target, name = spec.rsplit(":", 1)
+    if target.endswith(".py"):
+        path = Path(target)
+        if not path.exists():
+            raise FileNotFoundError(f"{what} {spec!r}: no file {target}")
+        mod_spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(mod_spec)
+        mod_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(target)
+    obj = getattr(module, name, None)
+    if obj is None:
+        raise ValueError(f"{what} {spec!r}: {target} has no {name!r}")
+    return obj
+
+
+def parse_kwargs(text: str | None, what: str = "env_kwargs") -> dict:
+    if not text:
+        return {}
+    try:
+        out = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what}: not JSON ({e.msg} at character {e.pos}): {text!r}") from None
+    if not isinstance(out, dict):
+        raise ValueError(f"{what}: expected a JSON object, got {type(out).__name__}")
+    return out
+
+
+@dataclass
+class EnvSpec:
+    """How to make a run's episodes: the class, its keyword arguments, the per-call
+    timeout in seconds (0 = none)."""
+
+    cls: type
+    kwargs: dict = field(default_factory=dict)
+    timeout: float = 0.0
+    name: str = ""
+
+    @classmethod
+    def parse(cls, spec: str, kwargs: str | None = None, timeout: float = 0.0) -> EnvSpec:
+        if spec == "builtin":
+            from posttrain.builtin.episodes import LookupEnv
+
+            env = LookupEnv
+        else:
+            env = load_object(spec, "env")
+        if not isinstance(env, type):
+            raise ValueError(f"env {spec!r} is a {type(env).__name__}, not a class")
+        for method in ("reset", "step"):
+            if not callable(getattr(env, method, None)):
+                raise ValueError(f"env {spec!r}: the class has no {method}() method")
+        return cls(env, parse_kwargs(kwargs), timeout, env.__name__)
+
+
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _timed(fn, timeout: float, *args):
+    """``fn(*args)``, or TimeoutError past ``timeout`` seconds (0: no limit). The call runs
+    on a worker thread that cannot be stopped: past the timeout it is abandoned (it
+    finishes, or not, in the background) and a fresh worker serves the next call."""
+    global _POOL
+    if not timeout:
+        return fn(*args)
+    if _POOL is None:
+        _POOL = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="posttrain-env")
+    future = _POOL.submit(fn, *args)
+    try:
+        return future.result(timeout)
+    except concurrent.futures.TimeoutError:
+        _POOL.shutdown(wait=False)
+        _POOL = None
+        raise TimeoutError(f"did not return within {timeout:g} s") from None
+
+
+class Episode:
+    """One environment instance and the protocol checks around its calls."""
+
+    def __init__(self, spec: EnvSpec, row: dict, row_number):
+        self.spec, self.row = spec, row_number
+        self.turn = 0
+        try:
+            self.env = _timed(lambda: spec.cls(row, **spec.kwargs), spec.timeout)
+        except Exception as e:
+            raise self._error(f"could not be made: {type(e).__name__}: {e}") from e
+
+    def _error(self, what: str) -> EnvError:
+        return EnvError(f"env {self.spec.name} on row {self.row}, turn {self.turn}: {what}")
+
+    def reset(self) -> str:
+        try:
+            first = _timed(self.env.reset, self.spec.timeout)
+        except Exception as e:
+            raise self._error(f"reset() raised {type(e).__name__}: {e}") from e
+        if not isinstance(first, str):
+            raise self._error(f"reset() returned {type(first).__name__}, expected str")
+        return first
+
+    def step(self, text: str) -> tuple[dict | None, float, bool]:
+        self.turn += 1
+        try:
+            out = _timed(self.env.step, self.spec.timeout, text)
+        except Exception as e:
+            raise self._error(f"step() raised {type(e).__name__}: {e}") from e
+        if not isinstance(out, tuple) or len(out) != 3:
+            raise self._error(f"step() returned {_kind(out)}, expected a tuple "
+                              "(message, reward, done)")
+        message, reward, done = out
+        if isinstance(message, str):
+            message = {"role": "user", "content": message}
+        elif isinstance(message, dict):
+            if not isinstance(message.get("role"), str) or not isinstance(
+                    message.get("content"), str):
+                raise self._error("step()'s message dict needs 'role' and 'content' strings, "
+                                  f"got {message!r:.80}")
+            message = {"role": message["role"], "content": message["content"]}
+        elif message is not None:
+            raise self._error(f"step()'s message is {type(message).__name__}, expected str, "
+                              "dict or None")
+        if not isinstance(reward, numbers.Real) or isinstance(reward, bool):
+            raise self._error(f"step()'s reward is {type(reward).__name__}, expected a number")
+        if not math.isfinite(float(reward)):
+            raise self._error(f"step()'s reward is {reward}, not a finite number")
+        if not isinstance(done, bool):
+            raise self._error(f"step()'s done is {type(done).__name__}, expected bool")
+        return message, float(reward), done
+
+
+def _kind(x) -> str:
+    return f"a tuple of {len(x)}" if isinstance(x, tuple) else type(x).__name__

@@ -1,0 +1,207 @@
+"""The episode loop: many episodes in flight over one rollout engine.
+
+Each turn, every episode still running is one request (its whole sequence so far as the
+prompt, its own seed for the turn) in one ``engine.generate`` call; the engine batches them
+(the lean and hf engines decode them together; vLLM schedules them and reuses the cached
+prefix of earlier turns). Each episode's environment then reads its turn, and what it
+returns is appended as tokens (:class:`~posttrain.episodes.render.Renderer`) that the loss
+never sees. An episode ends when its environment says ``done``, at ``max_turns``, or when
+its tokens after the first prompt reach ``max_episode_tokens`` (truncated; the last turn's
+reward kept).
+
+The result is a :class:`~posttrain.rollout.Rollout` whose "completion" is everything after
+the first prompt — assistant turns and environment messages — with ``loss_mask`` 1 on the
+sampled tokens only and their behaviour log-probs; the trainers take it as they take a
+single-turn rollout (a single turn is the one-turn episode).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from posttrain.episodes.env import EnvError, EnvSpec, Episode
+from posttrain.episodes.render import Renderer
+from posttrain.rollout import Request, Rollout, SamplingParams
+from posttrain.rollout.types import cut_at_stop, sample_seed, stream_seed
+
+
+@dataclass
+class EpisodeLimits:
+    max_turns: int = 4
+    max_episode_tokens: int = 64
+    """Tokens after the first prompt: every turn's and every message's."""
+
+
+@dataclass
+class Episodes:
+    """A batch of finished episodes, one row per trajectory."""
+
+    rollout: Rollout
+    returns: torch.Tensor
+    """(N,) float64: the sum of each episode's turn rewards."""
+    valid: torch.Tensor
+    """(N,) False for an episode dropped on an environment error (``on_error="skip"``)."""
+    first: list[str]
+    """Each episode's first user message (the "prompt" reward functions receive)."""
+    messages: list[list[dict]]
+    """Each episode's conversation as messages (the first one included)."""
+    turns: torch.Tensor
+    """(N,) assistant turns taken."""
+    env_s: float = 0.0
+    """Seconds spent in the environments' reset and step calls."""
+    errors: list[str] = field(default_factory=list)
+    """One line per episode dropped on an error."""
+
+
+@dataclass
+class _Live:
+    episode: Episode | None
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logps: list[float] = field(default_factory=list)
+    messages: list[dict] = field(default_factory=list)
+    ret: float = 0.0
+    turns: int = 0
+    done: bool = False
+    truncated: bool = False
+    valid: bool = True
+    env_s: float = 0.0
+
+
+def run_episodes(engine, tokenizer, spec: EnvSpec, rows: list[dict], n: int,
+                 seeds: list[int | None], params: SamplingParams, limits: EpisodeLimits,
+                 on_error: str = "raise", renderer: Renderer | None = None,
+                 max_length: int | None = None) -> Episodes:
+    """``n`` episodes of each row (rows of one row contiguous, as a rollout's groups): row
+    ``i``'s episode ``j`` samples turn ``t`` from ``stream_seed(sample_seed(seeds[i], j),
+    "turn", t)`` (None: the engine's own randomness). ``on_error``: ``raise`` an
+    :class:`EnvError`, or ``skip`` (the episode is dropped: ``valid`` False, its line in
+    ``errors``)."""
+    renderer = renderer or Renderer(tokenizer)
+    errors: list[str] = []
+    live: list[_Live] = []
+    for i, row in enumerate(rows):
+        data = {k: v for k, v in row.items() if k != "_row"}
+        for _ in range(n):
+            t0 = time.perf_counter()
+            try:
+                ep = Episode(spec, data, row.get("_row", i + 1))
+                first = ep.reset()
+            except EnvError as e:
+                if on_error != "skip":
+                    raise
+                errors.append(str(e))
+                live.append(_Live(None, [tokenizer.eos_token_id], done=True, valid=False,
+                                  env_s=time.perf_counter() - t0))
+                continue
+            msg = {"role": "user", "content": first}
+            prompt = renderer.start([msg])
+            if max_length and len(prompt) + limits.max_episode_tokens > max_length:
+                raise EnvError(f"env {spec.name} on row {ep.row}: the first message is "
+                               f"{len(prompt)} tokens; with max_episode_tokens "
+                               f"{limits.max_episode_tokens} that is over max_length "
+                               f"{max_length}")
+            live.append(_Live(ep, prompt, messages=[msg], env_s=time.perf_counter() - t0))
+    for turn in range(limits.max_turns):
+        running = [k for k, e in enumerate(live) if not e.done]
+        if not running:
+            break
+        room = {k: limits.max_episode_tokens - len(live[k].tokens) for k in running}
+        budget = min(params.max_new_tokens, max(room.values()))
+        requests = [Request(tuple(live[k].prompt + live[k].tokens),
+                            None if seeds[k // n] is None else
+                            stream_seed(sample_seed(seeds[k // n], k % n), "turn", turn))
+                    for k in running]
+        turn_params = SamplingParams(params.temperature, params.top_p, params.top_k,
+                                     max(1, budget), params.stop)
+        out = engine.generate(requests, 1, turn_params)
+        for j, k in enumerate(running):
+            e = live[k]
+            m = out.completion_mask[j].bool()
+            ids, lps = out.completion_ids[j][m].tolist(), out.logprobs[j][m].tolist()
+            ended, text = not bool(out.truncated[j]), out.texts[j]
+            if len(ids) > room[k]:  # past this episode's own budget: cut there
+                ids, lps, ended = ids[:room[k]], lps[:room[k]], False
+                text = cut_at_stop(tokenizer.decode(ids, skip_special_tokens=True),
+                                   params.stop)
+            e.tokens += ids
+            e.mask += [1] * len(ids)
+            e.logps += lps
+            e.turns += 1
+            e.messages.append({"role": "assistant", "content": text})
+            t0 = time.perf_counter()
+            try:
+                message, reward, done = e.episode.step(text)
+            except EnvError as err:
+                if on_error != "skip":
+                    raise
+                errors.append(str(err))
+                e.done, e.valid = True, False
+                continue
+            finally:
+                e.env_s += time.perf_counter() - t0
+            e.ret += reward
+            if done:
+                e.done = True
+                continue
+            if turn + 1 == limits.max_turns:
+                e.done = e.truncated = True
+                continue
+            if message is not None:
+                e.messages.append(message)
+            nxt = renderer.between(ended, [message] if message is not None else [])
+            if len(e.tokens) >= limits.max_episode_tokens or \
+                    len(e.tokens) + len(nxt) >= limits.max_episode_tokens:
+                e.done = e.truncated = True  # no room for another turn
+                continue
+            e.tokens += nxt
+            e.mask += [0] * len(nxt)
+            e.logps += [0.0] * len(nxt)
+    return _collect(live, tokenizer, n, errors)
+
+
+def _collect(live: list[_Live], tokenizer, n: int, errors: list[str]) -> Episodes:
+    pad = tokenizer.pad_token_id
+    T = max(1, *(len(e.tokens) for e in live)) if live else 1
+    N = len(live)
+    ids = torch.full((N, T), pad, dtype=torch.long)
+    present = torch.zeros(N, T, dtype=torch.long)
+    loss = torch.zeros(N, T, dtype=torch.long)
+    logps = torch.zeros(N, T)
+    for k, e in enumerate(live):
+        L = len(e.tokens)
+        if L:
+            ids[k, :L] = torch.tensor(e.tokens)
+            present[k, :L] = 1
+            loss[k, :L] = torch.tensor(e.mask)
+            logps[k, :L] = torch.tensor(e.logps)
+    texts = tokenizer.batch_decode(ids * present + pad * (1 - present),
+                                   skip_special_tokens=True)
+    stats = {"turns": torch.tensor([float(e.turns) for e in live], dtype=torch.float64),
+             "env_s": torch.tensor([e.env_s for e in live], dtype=torch.float64)}
+    for key in sorted({k for e in live for k in _counters(e)}):
+        stats[key] = torch.tensor([float(_counters(e).get(key, 0)) for e in live],
+                                  dtype=torch.float64)
+    rollout = Rollout(prompt_ids=[e.prompt for e in live], completion_ids=ids,
+                      completion_mask=present, logprobs=logps,
+                      truncated=torch.tensor([e.truncated for e in live], dtype=torch.bool),
+                      group_ids=torch.arange(N) // n, texts=texts,
+                      loss_mask=loss, stats=stats)
+    return Episodes(rollout, torch.tensor([e.ret for e in live], dtype=torch.float64),
+                    torch.tensor([e.valid for e in live], dtype=torch.bool),
+                    [e.messages[0]["content"] if e.messages else "" for e in live],
+                    [e.messages for e in live], torch.tensor([e.turns for e in live]),
+                    float(stats["env_s"].sum()), errors)
+
+
+def _counters(e: _Live) -> dict:
+    """The environment's own counters (an optional ``metrics`` dict of numbers on the
+    environment object, e.g. the tool environment's ``tool_calls``)."""
+    got = getattr(e.episode.env, "metrics", None) if e.episode is not None else None
+    if not isinstance(got, dict):
+        return {}
+    return {k: v for k, v in got.items() if isinstance(k, str) and isinstance(v, (int, float))}
