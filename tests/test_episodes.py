@@ -3,6 +3,7 @@ sampled, observations appended and never re-tokenised), the environment protocol
 the limits, multi-turn SFT in the same layout, and every trainer on episodes."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -32,7 +33,7 @@ class Chatty:
     def reset(self):
         return self.row["q"]
     def step(self, text):
-        return {"role": "tool", "content": self.reply}, 0.25, False
+        return {"role": "tool", "content": self.reply}, 0.25 * (sum(map(ord, text)) % 2), False
 
 class TwoTurns:
     def __init__(self, row):
@@ -255,3 +256,217 @@ def test_multi_turn_sft_trains_every_assistant_turn_in_the_episode_layout(env_fi
     # over max_length: error names the field; truncate keeps the trained part that fits
     with pytest.raises(data_mod.DataError, match="messages"):
         data_mod.encode_sft(tok, "src", data_mod.validate("src", [row], "sft"), 12, "error")
+
+
+# --- tools ---------------------------------------------------------------------------------
+
+TOOLS = '''
+import time
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first
+        b: the second
+    """
+    return a + b
+def slow(x: int) -> int:
+    """Sleep.
+
+    Args:
+        x: ignored
+    """
+    time.sleep(2)
+    return x
+def broken() -> int:
+    """Fail."""
+    raise RuntimeError("no")
+'''
+
+HERMES = ("{% if tools %}<|system|>tools: {{ tools | length }}{{ '\\n' }}{% endif %}"
+          "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+          "{% if m['role'] == 'assistant' %}</s>{% endif %}{{ '\\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+          "{# the model calls tools as <tool_call>{json}</tool_call> #}")
+
+
+@pytest.fixture
+def tools_file(tmp_path):
+    path = tmp_path / "tools.py"
+    path.write_text(TOOLS)
+    return path
+
+
+def test_tool_calls_run_and_malformed_calls_are_counted_not_raised(tools_file):
+    from posttrain.episodes import ToolEnv, load_tools, parse_calls
+
+    tools = load_tools(f"{tools_file}:add,slow,broken")
+    assert parse_calls('x <tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}'
+                       '</tool_call>', "json") == [("add", [], {"a": 2, "b": 3})]
+    assert parse_calls("call: add(2, b=3)\nthen", "plain") == [("add", [2], {"b": 3})]
+    assert parse_calls("no call here", "json") == []
+    env = ToolEnv({"prompt": "p"}, tools, "json", error_reward=-0.5, timeout=0.2)
+    assert env.reset() == "p"
+    msg, r, done = env.step('<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}'
+                            '</tool_call>')
+    assert msg == {"role": "tool", "content": "5"} and r == 0.0 and not done
+    for text, why in [('<tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>',
+                       "TypeError"), ("<tool_call>{oops</tool_call>", "not JSON"),
+                      ('<tool_call>{"name": "sub"}</tool_call>', "no tool 'sub'"),
+                      ('<tool_call>{"name": "slow", "arguments": {"x": 1}}</tool_call>',
+                       "TimeoutError"),
+                      ('<tool_call>{"name": "broken"}</tool_call>', "RuntimeError: no"),
+                      ("<tool_call>{", "without its </tool_call>")]:
+        msg, r, done = env.step(text)
+        assert msg["content"].startswith("error: ") and why in msg["content"], (text, msg)
+        assert r == -0.5 and not done
+    assert env.metrics == {"tool_calls": 7, "tool_failures": 6}
+    assert env.step("the answer is 5") == (None, 0.0, True)
+    plain = ToolEnv({"prompt": "p"}, tools, "plain")
+    assert plain.step("call: add(1, 1)")[0]["content"] == "2"
+    assert "cannot read" in plain.step("call: add(1,")[0]["content"]
+
+
+def test_tool_template_is_given_the_functions(tools_file):
+    from posttrain.episodes import tool_spec
+
+    tok = merging_tokenizer(HERMES)
+    spec, described = tool_spec(f"{tools_file}:add", tok)
+    assert spec.kwargs["style"] == "json" and len(described) == 1
+    assert Renderer(tok, described).start([{"role": "user", "content": "q"}]) == tok(
+        "<|system|>tools: 1\n<|user|>q\n<|assistant|>")["input_ids"]
+    assert tool_spec(f"{tools_file}:add", merging_tokenizer())[0].kwargs["style"] == "plain"
+
+
+# --- the trainers on episodes -------------------------------------------------------------
+
+@pytest.fixture
+def env_data(tmp_path):
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"q": f"{i}+{i}"}) + "\n" for i in range(8)))
+    return data
+
+
+def _rl(model, out, env_file, env_data, cls=None, **kw):
+    from posttrain.config import PPOConfig, RLConfig
+
+    base = dict(model=model, output_dir=str(out), max_steps=2, prompts_per_step=2,
+                group_size=4, minibatch_size=8, micro_batch_size=8, max_new_tokens=3,
+                env=f"{env_file}:Chatty", data=str(env_data), eval_data=str(env_data),
+                max_turns=3, max_episode_tokens=96, log_every=1, eval_every=0, device="cpu",
+                tensorboard=False, temperature=1.5)
+    base.update(kw)
+    cfg = (cls or RLConfig)(**base)
+    cfg.validate()
+    return cfg
+
+
+@pytest.mark.parametrize("algo", ["grpo", "dapo", "gspo", "ppo", "reinforce_pp", "rloo"])
+def test_every_algorithm_trains_on_a_users_environment(tiny_model_dir, tmp_path, env_file,
+                                                        env_data, algo):
+    """An environment written only against the protocol, from a file, trains with every
+    estimator (PPO: GAE over the assistant tokens across turns); the step logs the episodes'
+    turns and sampled tokens; held-out evaluation runs greedy episodes."""
+    from posttrain.config import PPOConfig
+    from posttrain.trainers.online import run_rl
+
+    cls = PPOConfig if algo in ("ppo", "reinforce_pp") else None
+    extra = {} if algo != "dapo" else {"dynamic_sampling": False}
+    metrics = run_rl(_rl(tiny_model_dir, tmp_path, env_file, env_data, cls, algo=algo,
+                         env_kwargs='{"reply": "ok"}', **extra))
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    s = steps[0]
+    assert s["episodes/turns_mean"] == 3 and s["completion/truncated_frac"] == 1.0
+    assert 0 <= s["reward/env"] <= 0.75 and s["reward/std"] > 0
+    assert 0 < s["completion/sampled_tokens_mean"] < s["completion/length_mean"]
+    assert s["time/env_s"] >= 0 and "train/loss" in s
+    assert 0 <= metrics["eval/mean_reward"] <= 0.75
+    assert (tmp_path / "final" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("backend", ["lean", "hf"])
+def test_update_reads_the_sampled_tokens_with_their_log_probs(backend, tmp_path):
+    """On the built-in multi-turn task, the trainer's log-probs of each episode's sequence
+    at its sampled tokens equal the engine's behaviour log-probs to float32 rounding (the
+    sequence trained is the one sampled, turn after turn), in both batch layouts."""
+    from bounds import model_inner, model_stages, rel_bound
+    from posttrain.config import RLConfig
+    from posttrain.trainers.online import RLTrainer, TokenBatch
+
+    cfg = RLConfig(output_dir=str(tmp_path), env="builtin", max_steps=1, prompts_per_step=4,
+                   group_size=4, rollout_backend=backend, builtin_train_size=16,
+                   builtin_eval_size=0, device="cpu", tensorboard=False, kl_coef=0.0,
+                   temperature=1.0)
+    cfg.validate()
+    trainer = RLTrainer(cfg)
+    exp = trainer.experience.collect(1)
+    ro = exp.rollout
+    assert ro.stats["turns"].max() == 2  # the model asks, then answers
+    mask = ro.trained_mask.bool()
+    assert (ro.logprobs[~mask] == 0).all() and (~mask & ro.completion_mask.bool()).any()
+    sampled = ro.logprobs[mask].double()
+    bound = 2 * rel_bound(model_stages(trainer.policy.config, backward=False),
+                          model_inner(trainer.policy.config, 64))
+    for share in (True, False):
+        tokens = TokenBatch(ro, trainer.tok.pad_token_id, "cpu", share, 1.0)
+        with torch.no_grad():
+            lp = tokens.logprobs(trainer.policy, torch.arange(len(mask)))[mask].double()
+        assert float((lp - sampled).norm() / sampled.norm()) <= bound
+
+
+def test_environment_error_stops_the_run_in_one_line(tiny_model_dir, tmp_path, env_file,
+                                                     env_data, capsys):
+    from posttrain.cli import main
+
+    code = main(["grpo", "--model", tiny_model_dir, "--output_dir", str(tmp_path / "run"),
+                 "--env", f"{env_file}:Bad", "--data", str(env_data), "--max_steps", "2",
+                 "--prompts_per_step", "2", "--group_size", "2", "--device", "cpu",
+                 "--tensorboard", "false", "--eval_every", "0"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert re.fullmatch(r"error: env Bad on row [1-8], turn 1: step\(\) raised KeyError: 'boom'",
+                        err[-1]), err[-1]
+    # skip: dropped and counted, the run goes on
+    assert main(["grpo", "--model", tiny_model_dir, "--output_dir", str(tmp_path / "skip"),
+                 "--env", f"{env_file}:Bad", "--data", str(env_data), "--max_steps", "1",
+                 "--prompts_per_step", "2", "--group_size", "2", "--device", "cpu",
+                 "--tensorboard", "false", "--eval_every", "0",
+                 "--on_reward_error", "skip"]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "skip" / "metrics.jsonl").read_text().splitlines()]
+    assert [r for r in rows if r.get("step") == 1][0]["reward/skipped"] == 4
+
+
+def test_episode_config_errors(tmp_path):
+    from posttrain.config import ConfigError, RLConfig
+
+    for kw, match in [({"env": "x.py:E"}, "needs --data"),
+                      ({"env": "builtin", "tools": "t.py:f"}, "choose one"),
+                      ({"max_turns": 3}, "unknown key 'max_turns'"),
+                      ({"env": "builtin", "env_kwargs": "{bad"}, "not JSON"),
+                      ({"env": "builtin", "max_turns": 0}, "max_turns"),
+                      ({"tools": "t.py:f", "data": "d.jsonl"}, "--tools needs --reward")]:
+        cfg = RLConfig(output_dir=str(tmp_path), **kw)
+        cfg.given = set(kw)
+        with pytest.raises(ConfigError, match=match):
+            cfg.validate()
+    cfg = RLConfig(output_dir=str(tmp_path), env="builtin")
+    cfg.validate()
+    assert cfg.model == "builtin-episodes"
+
+
+def test_grpo_learns_the_builtin_multi_turn_task(tmp_path):
+    """``posttrain grpo --env builtin`` (40 steps): held-out accuracy from the SFT'd start's
+    22% to at least 50% (measured 71%). Without the environment's answer the start reaches
+    0.6% (``--env_kwargs '{"withhold": true}'``): the information is necessary."""
+    from posttrain.config import RLConfig
+    from posttrain.trainers.online import run_rl
+
+    cfg = RLConfig(output_dir=str(tmp_path), env="builtin", max_steps=40, eval_every=0,
+                   max_new_tokens=6, device="cpu", tensorboard=False)
+    cfg.validate()
+    metrics = run_rl(cfg)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r for r in rows if r.get("step") == 0][0]["eval/accuracy"] < 0.3
+    assert metrics["eval/accuracy"] >= 0.5

@@ -97,6 +97,15 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--batch_size", type=int, default=64)
     ev.add_argument("--device", default="auto")
     ev.add_argument("--trust_remote_code", action="store_true")
+    ev.add_argument("--env", default=None,
+                    help="episodes: an environment class (file.py:Name, module:Name or "
+                         "builtin); one greedy episode per row")
+    ev.add_argument("--env_kwargs", default=None, help="the environment's arguments (JSON)")
+    ev.add_argument("--tools", default=None, help="episodes with tool calls: file.py:fn1,fn2")
+    ev.add_argument("--tool_error_reward", type=float, default=0.0)
+    ev.add_argument("--max_turns", type=int, default=4)
+    ev.add_argument("--max_episode_tokens", type=int, default=256)
+    ev.add_argument("--env_timeout", type=float, default=30.0)
     ev.add_argument("--fast", default="true", choices=["true", "false"],
                     help="false: the plain path (hf engine, no posttrain.fast speed-ups)")
     mg = sub.add_parser("merge", help="a LoRA run's adapter merged into its base: a plain "
@@ -143,10 +152,12 @@ def _run_eval(args) -> int:
     from posttrain.rewards import load_reward_function
     from posttrain.rollout import make_engine
 
-    for key in ("n", "max_new_tokens", "batch_size"):
+    for key in ("n", "max_new_tokens", "batch_size", "max_turns", "max_episode_tokens"):
         if getattr(args, key) < 1:
             raise ConfigError(f"eval --{key} must be ≥ 1, got {getattr(args, key)}")
     check_device(args.device)
+    if args.env or args.tools:
+        return _run_eval_episodes(args)
     if args.data is None:
         if args.task not in (None, "builtin"):
             raise ConfigError(f"unknown task {args.task!r}; use --task builtin or --data")
@@ -171,6 +182,48 @@ def _run_eval(args) -> int:
         print(f"error: the mean reward is {result['mean_reward']}: the reward function "
               "returned a value that is not a finite number", file=sys.stderr)
         return 2
+    return 0
+
+
+def _run_eval_episodes(args) -> int:
+    """``eval --env`` / ``--tools``: one greedy episode per row, as training evaluates."""
+    from posttrain import data as data_mod
+    from posttrain import fast
+    from posttrain.builtin import episodes
+    from posttrain.config import ConfigError
+    from posttrain.episodes import EnvSpec, EpisodeLimits, Renderer, tool_spec
+    from posttrain.episodes.evaluate import evaluate_episodes
+    from posttrain.models import load_causal_lm, load_tokenizer
+    from posttrain.rewards import parse_rewards
+    from posttrain.rollout import make_engine
+
+    if args.env and args.tools:
+        raise ConfigError("eval: --env and --tools are two environments; choose one")
+    model_name = args.model
+    if args.env == "builtin" and model_name == "builtin":
+        model_name = "builtin-episodes"
+    if args.data is None:
+        if args.env != "builtin":
+            raise ConfigError(f"eval --{'env' if args.env else 'tools'} needs --data")
+        rows = episodes.rows(args.n, "eval")
+    else:
+        rows = data_mod.load(args.data, "rl" if args.tools else "env")[1]
+    if args.tools and not args.reward:
+        raise ConfigError("eval --tools needs --reward: the terms that score the answer")
+    tok = load_tokenizer(model_name, args.trust_remote_code)
+    if args.tools:
+        spec, tools = tool_spec(args.tools, tok, args.tool_error_reward, args.env_timeout)
+    else:
+        spec, tools = EnvSpec.parse(args.env, args.env_kwargs, args.env_timeout), None
+    use_fast = args.fast == "true"
+    model = fast.prepare_model(load_causal_lm(model_name, device=args.device,
+                                              trust_remote_code=args.trust_remote_code),
+                               use_fast)
+    engine = make_engine("auto", model, tok, use_fast)
+    result = evaluate_episodes(engine, tok, spec, rows, parse_rewards(args.reward or ""),
+                               EpisodeLimits(args.max_turns, args.max_episode_tokens),
+                               args.max_new_tokens, args.batch_size, Renderer(tok, tools))
+    print(_json({"model": model_name, **result}))
     return 0
 
 

@@ -37,6 +37,13 @@ class RLConfig(RunConfig):
     sampled trajectory as Name(row, **env_kwargs) (docs/environments.md); builtin = the
     built-in multi-turn task (its start: --model builtin-episodes, taken when --model is
     left at builtin). None: single-turn completions of the rows' prompts."""
+    tools: str | None = None
+    """Tool calls as the environment: file.py:fn1,fn2 or module:fn1,fn2; each row's prompt
+    is the first message, the model's calls (its template's <tool_call> JSON, else lines
+    'call: name(args)') run the functions and return as tool messages, a turn without a
+    call is the answer the reward terms score (docs/environments.md)."""
+    tool_error_reward: float = 0.0
+    """tools: the reward of a turn with a malformed or failing call."""
     env_kwargs: str | None = None
     """env: keyword arguments of the environment class, as a JSON object."""
     env_timeout: float = 30.0
@@ -170,6 +177,11 @@ class RLConfig(RunConfig):
     def run_name(self) -> str:
         return self.algo
 
+    @property
+    def episodic(self) -> bool:
+        """Multi-turn episodes (``env`` or ``tools``) rather than single completions."""
+        return bool(self.env or self.tools)
+
     def validate(self) -> None:
         super().validate()
         check(self.algo in self.ALGOS, f"algo must be one of {', '.join(self.ALGOS)}")
@@ -179,6 +191,9 @@ class RLConfig(RunConfig):
         self._check_engine()
         self._check_env()
         if self.data is not None and not self.reward and not self.env:
+            if self.tools:
+                raise ConfigError("--tools needs --reward: the terms that score each "
+                                  "episode's answer")
             raise ConfigError("--data needs --reward (module:function, file.py:function or "
                               "rm:DIR)")
         check(self.fast or self.rollout_backend != "lean",
@@ -226,12 +241,18 @@ class RLConfig(RunConfig):
             self.refuse(("kl_horizon",), "a fixed KL coefficient (kl_horizon needs kl_target)")
 
     def _check_env(self) -> None:
-        if not self.env:
-            self.refuse(("env_kwargs", "env_timeout", "max_turns", "max_episode_tokens"),
-                        "single-turn runs (they set --env's episodes)")
+        if not self.env and not self.tools:
+            self.refuse(("env_kwargs", "env_timeout", "max_turns", "max_episode_tokens",
+                         "tool_error_reward"),
+                        "single-turn runs (they set the episodes of --env or --tools)")
             return
+        check(not (self.env and self.tools), "--env and --tools are two environments; "
+              "choose one (a tool-calling environment of your own can call the functions)")
+        if self.env:
+            self.refuse(("tool_error_reward",), "--env (it sets --tools' environment)")
         check(self.env == "builtin" or self.data is not None,
-              f"--env {self.env} needs --data: the rows its episodes are made from")
+              f"--{'env' if self.env else 'tools'} {self.env or self.tools} needs --data: "
+              "the rows its episodes are made from")
         check(self.max_turns >= 1 and self.max_episode_tokens >= 1 and self.env_timeout >= 0,
               "max_turns and max_episode_tokens must be ≥ 1 and env_timeout ≥ 0")
         from posttrain.episodes.env import parse_kwargs

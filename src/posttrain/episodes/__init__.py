@@ -5,8 +5,10 @@ A single-turn completion is the one-turn episode; the trainers take both as a
 :class:`~posttrain.rollout.Rollout`."""
 
 from posttrain.episodes.env import EnvError, EnvSpec, Episode, load_object, parse_kwargs
-from posttrain.episodes.loop import EpisodeLimits, Episodes, run_episodes
+from posttrain.episodes.loop import EpisodeLimits, Episodes, run_episodes, score_episodes
 from posttrain.episodes.render import Renderer, TemplateError
+from posttrain.episodes.tools import ToolEnv, load_tools, parse_calls, tool_spec
 
 __all__ = ["EnvError", "EnvSpec", "Episode", "EpisodeLimits", "Episodes", "Renderer",
-           "TemplateError", "load_object", "parse_kwargs", "run_episodes"]
+           "TemplateError", "ToolEnv", "load_object", "load_tools", "parse_calls", "parse_kwargs",
+           "run_episodes", "score_episodes", "tool_spec"]

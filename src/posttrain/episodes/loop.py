@@ -164,6 +164,23 @@ def run_episodes(engine, tokenizer, spec: EnvSpec, rows: list[dict], n: int,
     return _collect(live, tokenizer, n, errors)
 
 
+def score_episodes(eps: Episodes, rows: list[dict], rewards, on_error: str = "raise"):
+    """``(total, terms, valid, correct)`` of episodes (``rows``: each episode's row): the
+    total is the return (term ``env``) plus the reward terms, which read each episode's
+    first message as the prompt, its transcript after it as the completion, its row's
+    columns and ``messages`` (the conversation); correct: the total reaches 1."""
+    from posttrain.rewards import reward_columns, score
+
+    total, terms, valid = eps.returns, {"env": eps.returns}, eps.valid
+    if rewards:
+        columns = {**reward_columns(rows), "messages": eps.messages}
+        extra, more, ok = score(rewards, eps.first, eps.rollout.texts, columns, on_error)
+        total, valid = total + extra, valid & ok
+        terms.update(more)
+    total = torch.where(valid, total, 0.0)
+    return total, terms, valid, total >= 1
+
+
 def _collect(live: list[_Live], tokenizer, n: int, errors: list[str]) -> Episodes:
     pad = tokenizer.pad_token_id
     T = max(1, *(len(e.tokens) for e in live)) if live else 1

@@ -40,8 +40,10 @@ class Renderer:
     """Token ids of an episode's non-sampled parts for ``tokenizer`` (see the module
     docstring)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, tools: list | None = None):
         self.tok = tokenizer
+        self.tools = tools or None
+        """Functions the chat template describes to the model (its ``tools`` argument)."""
         self.chat = bool(getattr(tokenizer, "chat_template", None))
         self.eos_text = tokenizer.eos_token or ""
         self._closing: str | None = None  # what the template puts after an assistant's content
@@ -53,7 +55,7 @@ class Renderer:
                 f"{self.eos_text}\n" if m["role"] == "assistant" else "\n") for m in messages)
             return text + ("assistant: " if generation_prompt else "")
         return self.tok.apply_chat_template(messages, add_generation_prompt=generation_prompt,
-                                            tokenize=False)
+                                            tokenize=False, tools=self.tools)
 
     def _probe(self) -> tuple[list[dict], str]:
         convo = [{"role": "user", "content": _PROBE_USER},

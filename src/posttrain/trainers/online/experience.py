@@ -70,12 +70,16 @@ class ExperienceMaker:
         self.env = None
         """The run's episodes (``--env``): an :class:`~posttrain.episodes.env.EnvSpec`, or
         None for single-turn completions."""
-        if cfg.env:
-            from posttrain.episodes import EnvSpec, EpisodeLimits, Renderer
+        if cfg.episodic:
+            from posttrain.episodes import EnvSpec, EpisodeLimits, Renderer, tool_spec
 
-            self.env = EnvSpec.parse(cfg.env, cfg.env_kwargs, cfg.env_timeout)
+            if cfg.tools:
+                self.env, tools = tool_spec(cfg.tools, tokenizer, cfg.tool_error_reward,
+                                            cfg.env_timeout)
+            else:
+                self.env, tools = EnvSpec.parse(cfg.env, cfg.env_kwargs, cfg.env_timeout), None
             self.limits = EpisodeLimits(cfg.max_turns, cfg.max_episode_tokens)
-            self.renderer = Renderer(tokenizer)
+            self.renderer = Renderer(tokenizer, tools)
 
     def prompt_ids(self, row: dict) -> tuple[int, ...]:
         """The row's prompt as token ids, tokenised once per run (plain text)."""
@@ -104,8 +108,7 @@ class ExperienceMaker:
         return out
 
     def sample(self, rows: list[dict], seeds: list[int | None], n: int,
-               params: SamplingParams, extras: frozenset[str] = frozenset(),
-               shaping: bool = True):
+               params: SamplingParams, extras: frozenset[str] = frozenset()):
         """``n`` samples of each row, scored: single-turn completions of their prompts, or
         (with an environment) episodes. Returns ``(rollout, (total, terms, valid,
         correct), seconds sampling, seconds scoring)``; the environments' seconds count as
@@ -123,11 +126,10 @@ class ExperienceMaker:
                                self.cfg.max_length)
             rollout = eps.rollout
         t1 = time.perf_counter()
-        scored = self.score(rows, rollout, n, eps, shaping)
+        scored = self.score(rows, rollout, n, eps)
         return rollout, scored, t1 - t0, time.perf_counter() - t1
 
-    def score(self, rows: list[dict], rollout: Rollout, n: int | None = None, episodes=None,
-              shaping: bool = True):
+    def score(self, rows: list[dict], rollout: Rollout, n: int | None = None, episodes=None):
         """``(total, terms, valid, correct)`` of ``rollout`` (``n`` samples of each row).
         Episodes: the total is the return (the sum of the turn rewards, term ``env``) plus
         the reward terms, which read the first message as the prompt and the transcript
@@ -141,16 +143,11 @@ class ExperienceMaker:
                                                 self.cfg.on_reward_error)
             correct = self.correct(prompts, rollout.texts, columns, terms)
         else:
-            total, terms, valid = episodes.returns, {"env": episodes.returns}, episodes.valid
-            if self.rewards:
-                columns.pop("prompt", None)
-                extra, more, ok = score_rewards(self.rewards, episodes.first, rollout.texts,
-                                                columns, self.cfg.on_reward_error)
-                total, valid = total + extra, valid & ok
-                terms.update(more)
-            total = torch.where(valid, total, 0.0)
-            correct = total >= 1
-        if self.algo.overlong_shaping and shaping:
+            from posttrain.episodes import score_episodes
+
+            total, terms, valid, correct = score_episodes(episodes, rep, self.rewards,
+                                                          self.cfg.on_reward_error)
+        if self.algo.overlong_shaping:
             budget = self.cfg.max_episode_tokens if episodes is not None else \
                 self.cfg.max_new_tokens
             shaping = overlong_penalty(rollout.lengths, budget,

@@ -93,7 +93,7 @@ class RLTrainer(Job):
             self.ref = trained.load_policy(cfg, cfg.model).eval().requires_grad_(False)
         self.train_rows, self.eval_rows = self._rows()
         # episodes: the environment's turn rewards, plus any reward terms given
-        self.rewards = parse_rewards(cfg.reward or ("" if cfg.env else "builtin"),
+        self.rewards = parse_rewards(cfg.reward or ("" if cfg.episodic else "builtin"),
                                      cfg.reward_weights, cfg.device)
         for term in self.rewards:  # reward models (rm:DIR) run the same forward speed-ups
             if isinstance(getattr(term.fn, "model", None), torch.nn.Module):
@@ -105,7 +105,7 @@ class RLTrainer(Job):
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.engine = build_engine(cfg, self.policy, self.sampler, self.tok)
         # the built-in task's exact-answer check is its accuracy, whatever the reward
-        accuracy = builtin_task.reward if cfg.data is None and not cfg.env else None
+        accuracy = builtin_task.reward if cfg.data is None and not cfg.episodic else None
         self.experience = ExperienceMaker(cfg, self.algo, self.engine, self.tok, self.rewards,
                                           self.train_rows, self.gen, accuracy)
         self.version = 0
@@ -143,14 +143,15 @@ class RLTrainer(Job):
     def _rows(self) -> tuple[list[dict], list[dict]]:
         """Training and held-out prompts, each checked against max_length."""
         cfg = self.cfg
-        if cfg.env:  # the environment makes the prompts (and checks their length)
+        if cfg.episodic:  # the environment makes the prompts (the loop checks their length)
             if cfg.data is None:
                 from posttrain.builtin import episodes
 
                 return (episodes.rows(cfg.builtin_train_size, "train", cfg.seed),
                         episodes.rows(cfg.builtin_eval_size, "eval", cfg.seed))
-            return (data_mod.load(cfg.data, "env")[1],
-                    data_mod.load(cfg.eval_data, "env")[1] if cfg.eval_data else [])
+            kind = "rl" if cfg.tools else "env"  # (the tool environment reads the prompt)
+            return (data_mod.load(cfg.data, kind)[1],
+                    data_mod.load(cfg.eval_data, kind)[1] if cfg.eval_data else [])
         if cfg.data is None:
             sets = [(data_mod.BUILTIN_SOURCE,
                      builtin_task.rl_rows(cfg.builtin_train_size, "train", cfg.seed)),
@@ -355,8 +356,11 @@ class RLTrainer(Job):
         if rows and self.experience.env is not None:
             from posttrain.episodes.evaluate import greedy_episodes
 
-            correct, total, valid = greedy_episodes(self.experience, rows,
-                                                    self.cfg.eval_batch_size)
+            x, cfg = self.experience, self.cfg
+            correct, total, valid = greedy_episodes(
+                self.engine, self.tok, x.env, rows, self.rewards, x.limits, cfg.max_new_tokens,
+                x.params.stop, cfg.eval_batch_size, x.renderer, cfg.on_reward_error,
+                cfg.max_length)
             n_correct, n_valid = float(correct.sum()), float(valid.sum())
             reward = float(total[valid].double().sum())
         elif rows:
