@@ -41,6 +41,9 @@ RL = {
     # merged copy; only the adapters' gradients are summed (lr 1e-3: adapters move slowly)
     "lora": ["--prompts_per_step", "3", "--group_size", "4", "--max_new_tokens", "8",
              "--kl_coef", "0.04", "--lora_rank", "4", "--lr", "1e-3"],
+    # GRPO on the built-in multi-turn task's episodes (its start: builtin-episodes)
+    "episodes": ["--env", "builtin", "--prompts_per_step", "3", "--group_size", "4",
+                 "--max_new_tokens", "6", "--kl_coef", "0.04", "--minibatch_size", "6"],
 }
 RL_ARGS = ["--lr", "1e-5", "--max_steps", "4", "--builtin_train_size", "32",
            "--builtin_eval_size", "5", "--eval_every", "2", "--log_every", "1", "--device",
@@ -54,7 +57,8 @@ def _launch(ranks: int) -> list[str]:
 
 def _rl_args(name: str, out: Path, *extra: str) -> list[str]:
     command = "ppo" if name == "ppo" else "grpo"
-    algo = [] if name == "ppo" else ["--algo", "grpo" if name == "lora" else name]
+    algo = [] if name == "ppo" else ["--algo", "grpo" if name in ("lora", "episodes")
+                                     else name]
     return [command, "--model", "builtin", *algo, *RL_ARGS, *RL[name], "--output_dir",
             str(out), *extra]
 

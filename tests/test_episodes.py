@@ -135,7 +135,7 @@ def test_tokens_trained_are_the_tokens_sampled(env_file):
     assert (ro.logprobs[0, 3:3 + len(between)] == 0).all()
     prompt = tok("<|user|>go\n<|assistant|>")["input_ids"]
     assert ro.prompt_ids[0] == prompt
-    assert list(engine.calls[1][0].prompt_ids) == prompt + [a, b, eos] + between
+    assert list(engine.calls[1][0].prompt_ids) == [*prompt, a, b, eos, *between]
     # what re-tokenising the transcript gives: other tokens (the merge), so the loop must not
     transcript = tok.decode(prompt + want)
     retok = tok(transcript, add_special_tokens=False)["input_ids"]
@@ -348,7 +348,7 @@ def env_data(tmp_path):
 
 
 def _rl(model, out, env_file, env_data, cls=None, **kw):
-    from posttrain.config import PPOConfig, RLConfig
+    from posttrain.config import RLConfig
 
     base = dict(model=model, output_dir=str(out), max_steps=2, prompts_per_step=2,
                 group_size=4, minibatch_size=8, micro_batch_size=8, max_new_tokens=3,
@@ -435,7 +435,7 @@ def test_environment_error_stops_the_run_in_one_line(tiny_model_dir, tmp_path, e
                  "--tensorboard", "false", "--eval_every", "0",
                  "--on_reward_error", "skip"]) == 0
     rows = [json.loads(x) for x in (tmp_path / "skip" / "metrics.jsonl").read_text().splitlines()]
-    assert [r for r in rows if r.get("step") == 1][0]["reward/skipped"] == 4
+    assert next(r for r in rows if r.get("step") == 1)["reward/skipped"] == 4
 
 
 def test_episode_config_errors(tmp_path):
@@ -468,5 +468,39 @@ def test_grpo_learns_the_builtin_multi_turn_task(tmp_path):
     cfg.validate()
     metrics = run_rl(cfg)
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r for r in rows if r.get("step") == 0][0]["eval/accuracy"] < 0.3
+    assert next(r for r in rows if r.get("step") == 0)["eval/accuracy"] < 0.3
     assert metrics["eval/accuracy"] >= 0.5
+
+
+def test_the_documented_example_trains(tiny_model_dir, tmp_path):
+    """docs/environments.md's example environment, as the page prints it, trains and
+    evaluates with the page's commands' keys (on the tiny model, two steps)."""
+    from pathlib import Path
+
+    from posttrain.cli import main
+
+    page = (Path(__file__).parent.parent / "docs" / "environments.md").read_text()
+    code = re.search(r"```python\n(.*?)```", page, re.S).group(1)
+    rows = re.search(r"```json\n(.*?)```", page, re.S).group(1)
+    (tmp_path / "guess.py").write_text(code)
+    (tmp_path / "targets.jsonl").write_text(rows)
+    common = ["--env", f"{tmp_path}/guess.py:GuessNumber", "--data",
+              str(tmp_path / "targets.jsonl"), "--max_turns", "6", "--max_new_tokens", "8"]
+    assert main(["grpo", *common, "--env_kwargs", '{"high": 100}', "--model", tiny_model_dir,
+                 "--output_dir", str(tmp_path / "run"), "--max_steps", "2",
+                 "--prompts_per_step", "2", "--group_size", "2", "--device", "cpu",
+                 "--tensorboard", "false", "--eval_every", "0"]) == 0
+    assert main(["eval", *common, "--model", str(tmp_path / "run" / "final"),
+                 "--device", "cpu"]) == 0
+
+
+def test_lora_trains_on_episodes(tiny_model_dir, tmp_path, env_file, env_data):
+    """LoRA adapters on episodes: the adapter-off reference, the lean engine merging the
+    adapters, only the adapter saved."""
+    pytest.importorskip("peft")
+    from posttrain.trainers.online import run_rl
+
+    run_rl(_rl(tiny_model_dir, tmp_path, env_file, env_data, lora_rank=4, lr=1e-2))
+    assert (tmp_path / "final" / "adapter_config.json").exists()
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert any("train/loss" in r and r.get("episodes/turns_mean") == 3 for r in rows)

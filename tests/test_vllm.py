@@ -299,3 +299,36 @@ def test_two_ranks_through_vllm_compute_the_update_of_one(tmp_path, one_process_
     b = load_file(str(two_dir / "final" / "model.safetensors"))
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-5)
+
+
+def test_episodes_through_vllm_are_token_exact_and_learn(tmp_path):
+    """The built-in multi-turn task through vLLM: many episodes per engine call (the
+    turn-2 requests extend the turn-1 ones, which vLLM's prefix cache serves); the
+    trainer's log-probs of each episode at its sampled tokens equal vLLM's behaviour
+    log-probs within float32 rounding; GRPO lifts held-out accuracy from the start's 22% to
+    at least 50% in 40 steps (measured 71%, as the lean engine)."""
+    from posttrain.trainers.online import RLTrainer, TokenBatch
+    from posttrain.trainers.online.trainer import run_rl
+
+    cfg = RLConfig(output_dir=str(tmp_path / "probe"), env="builtin", rollout_backend="vllm",
+                   max_steps=1, prompts_per_step=16, group_size=4, builtin_train_size=64,
+                   builtin_eval_size=0, device="cpu", tensorboard=False, kl_coef=0.0)
+    cfg.validate()
+    trainer = RLTrainer(cfg)
+    try:
+        ro = trainer.experience.collect(1).rollout
+        assert ro.stats["turns"].max() == 2
+        mask = ro.trained_mask.bool()
+        sampled = ro.logprobs[mask].double()
+        tokens = TokenBatch(ro, trainer.tok.pad_token_id, "cpu", False, 1.0)
+        with torch.no_grad():
+            lp = tokens.logprobs(trainer.policy, torch.arange(len(mask)))[mask].double()
+        assert float((lp - sampled).norm() / sampled.norm()) <= _bound(trainer.policy)
+    finally:
+        trainer.close()
+    cfg = RLConfig(output_dir=str(tmp_path / "run"), env="builtin", rollout_backend="vllm",
+                   max_steps=40, eval_every=0, max_new_tokens=6, device="cpu",
+                   tensorboard=False)
+    cfg.validate()
+    out = run_rl(cfg)
+    assert out["eval/accuracy"] >= 0.5

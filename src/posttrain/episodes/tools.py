@@ -26,6 +26,7 @@ default) and it is counted (``episodes/tool_failures_mean``).
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import re
 
@@ -73,10 +74,8 @@ def parse_calls(text: str, style: str) -> list[tuple[str, list, dict] | str]:
                 continue
             args = call.get("arguments", {})
             if isinstance(args, str):  # some templates write the arguments as a JSON string
-                try:
+                with contextlib.suppress(json.JSONDecodeError):
                     args = json.loads(args)
-                except json.JSONDecodeError:
-                    pass
             if not isinstance(args, dict):
                 out.append(f"{call['name']}: arguments must be an object")
                 continue

@@ -55,6 +55,9 @@ class VLLMOptions:
     tensor_parallel_size: int = 1
     max_model_len: int | None = None
     seed: int = 0
+    prefix_caching: bool = True
+    """Reuse the KV cache of a request's prefix that an earlier request computed (an
+    episode's earlier turns); off only to measure what it saves."""
 
 
 def _import_vllm():
@@ -169,8 +172,14 @@ class VLLMEngine(RolloutEngine):
             _write_model(model, tokenizer, self._dir, dtype, self._tied)
             kwargs = dict(model=self._dir, tokenizer=self._dir,
                           dtype=str(dtype).removeprefix("torch."), seed=options.seed,
-                          enforce_eager=not self.cuda, enable_prefix_caching=True,
+                          enforce_eager=not self.cuda,
+                          enable_prefix_caching=options.prefix_caching,
                           logprobs_mode="processed_logprobs",
+                          # whole prompts: a prompt prefilled in chunks makes vLLM rewind a
+                          # seeded request's generator by offset, which a CPU generator
+                          # cannot ("CPU Generator does not use offset"; met with a step's
+                          # episodes, 128 prompts of 53 tokens over the 4096-token budget)
+                          enable_chunked_prefill=False,
                           tensor_parallel_size=options.tensor_parallel_size)
             longest = getattr(text_config(model), "max_position_embeddings", None)
             if options.max_model_len or longest:
