@@ -206,7 +206,8 @@ def test_byte_tokenizer_round_trip_after_save(tok, tmp_path):
 def test_builtin_missing_model_message(monkeypatch, tmp_path):
     import posttrain.models.loading as modeling
 
-    monkeypatch.setattr(modeling, "builtin_model_dir", lambda name="builtin": Path(tmp_path / "none"))
+    monkeypatch.setattr(modeling, "builtin_model_dir",
+                        lambda name="builtin": Path(tmp_path / "none"))
     with pytest.raises(FileNotFoundError, match="rebuild"):
         modeling.resolve("builtin")
     monkeypatch.setattr(modeling, "_check_hub", lambda name: None)  # as if cached
