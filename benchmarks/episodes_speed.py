@@ -2,10 +2,10 @@
 episode still running) against one episode at a time, on the built-in multi-turn task
 (``builtin-episodes``, 2 turns), the same seeds and settings, alternating in one process.
 
-Also measured: what re-encoding the earlier turns costs. The lean and hf engines prefill a
-turn's whole context (the earlier turns included) once per turn; the share of the rollout's
-time spent prefilling the turns after the first bounds what keeping their KV cache across
-turns could save. vLLM reuses the prefix's cache (prefix caching): it is timed on and off.
+Also measured: what reusing the earlier turns' keys and values saves. The lean and hf
+engines keep each sample's KV cache for the next turn (``reusing_prefixes``); timed against
+re-encoding each turn's whole context, with the share of that rollout spent prefilling the
+turns after the first. vLLM reuses prefixes through its prefix cache: timed on and off.
 
 Usage: python benchmarks/episodes_speed.py [--engines lean,hf,vllm] [--rows 16] [--group 4]
        [--repeats 3] [--env_latency_ms 0]
@@ -108,10 +108,12 @@ def main(argv=None) -> int:
         if name == "vllm":
             engines[False] = _engine(name, model, tok, prefix_caching=False)
             settings += [("in flight, no prefix cache", "nocache")]
+        else:
+            settings += [("in flight, earlier turns re-encoded", "reencode")]
 
-        def batched(engine):
+        def batched(engine, reuse=True):
             return run_episodes(engine, tok, spec, rows, args.group, seeds, params, limits,
-                                renderer=renderer)
+                                renderer=renderer, reuse=reuse)
 
         def serial(engine):
             for i, r in enumerate(rows):
@@ -128,22 +130,27 @@ def main(argv=None) -> int:
                     t0 = time.perf_counter()
                     batched(engines[False])
                     dt = time.perf_counter() - t0
-                elif mode:
+                elif mode == "reencode":
                     engine = engines[True]
-                    dt, pre = _prefill_share(engine, lambda e=engine: batched(e))
+                    dt, pre = _prefill_share(engine, lambda e=engine: batched(e, False))
                     prefill.append(pre / dt)
+                elif mode:
+                    t0 = time.perf_counter()
+                    batched(engines[True])
+                    dt = time.perf_counter() - t0
                 else:
                     t0 = time.perf_counter()
                     serial(engines[True])
                     dt = time.perf_counter() - t0
                 times[label].append(dt)
         base = statistics.median(times["in flight"])
+        mode_of = dict(settings)
         for label, ts in times.items():
             med = statistics.median(ts)
             rec = {"engine": name, "setting": label, "episodes": n_eps, "median_s": med,
                    "episodes_per_s": n_eps / med, "vs_in_flight": med / base,
                    "env_latency_ms": args.env_latency_ms}
-            if label == "in flight" and name != "vllm":
+            if mode_of[label] == "reencode":
                 rec["prefill_share"] = statistics.median(prefill)
             print(json.dumps(rec), flush=True)
             table.append(rec)

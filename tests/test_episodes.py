@@ -79,7 +79,7 @@ def env_file(tmp_path):
 def merging_tokenizer(template: str | None = TEMPLATE) -> PreTrainedTokenizerFast:
     """Characters plus one merge, ``a b -> ab``: a transcript with the sampled tokens
     ``a``, ``b`` re-tokenises to ``ab``."""
-    chars = list("abcdefghijklmnopqrstuvwxyz0123456789+?=<>|/:. \n")
+    chars = list("abcdefghijklmnopqrstuvwxyz0123456789+?=<>|/:. \n(),{}\"_[]")
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
     vocab["ab"] = len(vocab)
     tok = Tokenizer(models.BPE(vocab, [("a", "b")]))
@@ -504,3 +504,84 @@ def test_lora_trains_on_episodes(tiny_model_dir, tmp_path, env_file, env_data):
     assert (tmp_path / "final" / "adapter_config.json").exists()
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert any("train/loss" in r and r.get("episodes/turns_mean") == 3 for r in rows)
+
+
+@pytest.mark.parametrize("backend", ["lean", "hf"])
+def test_later_turns_reuse_the_kv_cache_of_earlier_ones(backend, monkeypatch):
+    """The lean and hf engines keep each sample's keys and values for the next turn: the
+    second turn's prefill runs only what the turn adds (the last sampled token, the tool
+    message, the generation prompt), and the episodes are those of re-encoding every turn,
+    their behaviour log-probs equal to float32 rounding."""
+    import posttrain.rollout.engine as engine_mod
+    from bounds import model_inner, model_stages, rel_bound
+    from posttrain.builtin import episodes
+    from posttrain.models import load_causal_lm, load_tokenizer
+    from posttrain.rollout import make_engine
+
+    tok = load_tokenizer("builtin-episodes")
+    model = load_causal_lm("builtin-episodes", device="cpu").eval()
+    engine = make_engine(backend, model, tok)
+    widths = []
+    real = engine_mod._prefill
+
+    def spy(model, prompt_ids, n, pad_id, device, past=None):
+        held = [0 if past is None or kv is None else kv[0].shape[2] for kv in
+                past or [None] * len(prompt_ids)]
+        run = sum(len(p) - h for p, h in zip(prompt_ids, held, strict=True))  # tokens run
+        widths.append((run, sum(len(p) for p in prompt_ids), sum(h > 0 for h in held)))
+        return real(model, prompt_ids, n, pad_id, device, past)
+
+    monkeypatch.setattr(engine_mod, "_prefill", spy)
+    rows, spec = episodes.rows(8), EnvSpec.parse("builtin")
+    params = SamplingParams(temperature=1.0, max_new_tokens=6)
+    got = run_episodes(engine, tok, spec, rows, 2, list(range(8)), params, EpisodeLimits(4, 64))
+    reused, widths = widths, []
+    want = run_episodes(engine, tok, spec, rows, 2, list(range(8)), params,
+                        EpisodeLimits(4, 64), reuse=False)
+    assert got.turns.max() == 2 and reused[1][2] == 16  # every turn-2 request reused its past
+    assert reused[0][2] == 0 and widths[1][2] == 0
+    # turn 2 runs the 25 tokens each request adds, not the 53 of its context
+    assert reused[1][1] == widths[1][1] == widths[1][0] and reused[1][0] < 0.6 * widths[1][0]
+    assert torch.equal(got.rollout.completion_ids, want.rollout.completion_ids)
+    m = got.rollout.trained_mask.bool()
+    a, b = got.rollout.logprobs[m].double(), want.rollout.logprobs[m].double()
+    bound = 2 * rel_bound(model_stages(model.config, backward=False),
+                          model_inner(model.config, 64))
+    assert float((a - b).norm() / b.norm()) <= bound
+    assert not engine._held  # nothing is kept past the episodes
+
+
+def test_a_dataclass_environment_loads(tmp_path):
+    path = tmp_path / "dc.py"
+    path.write_text("from __future__ import annotations\nfrom dataclasses import dataclass\n"
+                    "@dataclass\nclass Env:\n    row: dict\n    def reset(self):\n"
+                    "        return 'go'\n    def step(self, text):\n"
+                    "        return None, 1.0, True\n")
+    assert EnvSpec.parse(f"{path}:Env").cls.__name__ == "Env"
+
+
+def test_tool_episodes_score_the_answer_not_the_transcript(tools_file, tmp_path):
+    """With --tools the reward terms read the last assistant turn (the answer), with the
+    conversation in ``messages``; the calls and results stay out of the completion."""
+    from posttrain.episodes import score_episodes, tool_spec
+    from posttrain.rewards import parse_rewards
+
+    reward = tmp_path / "r.py"
+    reward.write_text("def exact(prompts, completions, answer, messages, **_):\n"
+                      "    assert all(m[0]['role'] == 'user' for m in messages)\n"
+                      "    return [float(c.strip() == a) for c, a in zip(completions, answer)]\n")
+    tok = merging_tokenizer()
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    eos = tok.eos_token_id
+    engine = Scripted(tok, [[*ids("call: add(2, 3)"), eos], [*ids("5"), eos]])
+    spec, _ = tool_spec(f"{tools_file}:add", tok)
+    rows = [{"prompt": "2+3?", "answer": "5", "_row": 1}]
+    eps = run_episodes(engine, tok, spec, rows, 1, [1], SamplingParams(max_new_tokens=32),
+                       EpisodeLimits(4, 128))
+    assert [m["content"] for m in eps.messages[0]] == ["2+3?", "call: add(2, 3)", "5", "5"]
+    assert eps.rollout.stats["tool_calls"].tolist() == [1.0]
+    total, _, _, correct = score_episodes(eps, rows, parse_rewards(f"{reward}:exact"),
+                                                  completion="answer")
+    assert total.tolist() == [1.0] and correct.tolist() == [True]
+    total, *_ = score_episodes(eps, rows, parse_rewards(f"{reward}:exact"))
+    assert total.tolist() == [0.0]  # the transcript is not the answer

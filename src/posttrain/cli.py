@@ -222,7 +222,8 @@ def _run_eval_episodes(args) -> int:
     engine = make_engine("auto", model, tok, use_fast)
     result = evaluate_episodes(engine, tok, spec, rows, parse_rewards(args.reward or ""),
                                EpisodeLimits(args.max_turns, args.max_episode_tokens),
-                               args.max_new_tokens, args.batch_size, Renderer(tok, tools))
+                               args.max_new_tokens, args.batch_size, Renderer(tok, tools),
+                               "answer" if args.tools else "transcript")
     print(_json({"model": model_name, **result}))
     return 0
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,8 +84,10 @@ def load_reward_function(spec: str) -> Callable:
         path = Path(target)
         if not path.exists():
             raise FileNotFoundError(f"reward {spec!r}: no file {target}")
-        mod_spec = importlib.util.spec_from_file_location(path.stem, path)
+        name = f"posttrain_user_{path.stem}_{abs(hash(str(path.resolve())))}"
+        mod_spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(mod_spec)
+        sys.modules[name] = module  # (dataclasses and typing look their module up there)
         mod_spec.loader.exec_module(module)
     else:
         module = importlib.import_module(target)

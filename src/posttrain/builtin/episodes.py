@@ -52,8 +52,8 @@ class LookupEnv:
 def rows(n: int, split: str = "train", seed: int = 0) -> list[dict]:
     """Episode rows ``{"a", "b", "answer"}``, from the built-in task's problems (train and
     held-out disjoint as there)."""
-    return [{"a": a, "b": b, "answer": task.answer_text(a, b)}
-            for a, b in task._problems(n, split, seed + 3)]
+    return [{"a": a, "b": b, "answer": task.answer_text(a, b), "_row": i + 1}
+            for i, (a, b) in enumerate(task._problems(n, split, seed + 3))]
 
 
 def sft_rows(n: int, split: str = "train", seed: int = 0, flaw_rate: float = 0.65

@@ -56,7 +56,7 @@ class RLConfig(RunConfig):
     each turn."""
     missing_eos_penalty: float = 0.0
     """Subtracted from the score of completions that hit max_new_tokens without eos or a
-    stop string."""
+    stop string (episodes: of episodes cut at max_turns or max_episode_tokens)."""
     reward_normalize: bool = False
     """Normalise scores by the running mean and std of every score seen so far."""
     reward_clip: float = 0.0

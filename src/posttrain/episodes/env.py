@@ -23,6 +23,7 @@ import importlib.util
 import json
 import math
 import numbers
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,8 +41,12 @@ def load_object(spec: str, what: str):
         path = Path(target)
         if not path.exists():
             raise FileNotFoundError(f"{what} {spec!r}: no file {target}")
-        mod_spec = importlib.util.spec_from_file_location(path.stem, path)
+        # registered under a name of its own before it runs (dataclasses and typing look
+        # their module up in sys.modules)
+        name_ = f"posttrain_user_{path.stem}_{abs(hash(str(path.resolve())))}"
+        mod_spec = importlib.util.spec_from_file_location(name_, path)
         module = importlib.util.module_from_spec(mod_spec)
+        sys.modules[name_] = module
         mod_spec.loader.exec_module(module)
     else:
         module = importlib.import_module(target)

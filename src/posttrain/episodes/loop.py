@@ -17,6 +17,8 @@ single-turn rollout (a single turn is the one-turn episode).
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import time
 from dataclasses import dataclass, field
 
@@ -25,7 +27,7 @@ import torch
 from posttrain.episodes.env import EnvError, EnvSpec, Episode
 from posttrain.episodes.render import Renderer
 from posttrain.rollout import Request, Rollout, SamplingParams
-from posttrain.rollout.types import cut_at_stop, sample_seed, stream_seed
+from posttrain.rollout.types import sample_seed, stream_seed
 
 
 @dataclass
@@ -54,6 +56,8 @@ class Episodes:
     """Seconds spent in the environments' reset and step calls."""
     errors: list[str] = field(default_factory=list)
     """One line per episode dropped on an error."""
+    answers: list[str] = field(default_factory=list)
+    """Each episode's last assistant turn."""
 
 
 @dataclass
@@ -70,23 +74,25 @@ class _Live:
     truncated: bool = False
     valid: bool = True
     env_s: float = 0.0
+    version: int = 0
 
 
 def run_episodes(engine, tokenizer, spec: EnvSpec, rows: list[dict], n: int,
                  seeds: list[int | None], params: SamplingParams, limits: EpisodeLimits,
                  on_error: str = "raise", renderer: Renderer | None = None,
-                 max_length: int | None = None) -> Episodes:
+                 max_length: int | None = None, reuse: bool = True) -> Episodes:
     """``n`` episodes of each row (rows of one row contiguous, as a rollout's groups): row
     ``i``'s episode ``j`` samples turn ``t`` from ``stream_seed(sample_seed(seeds[i], j),
     "turn", t)`` (None: the engine's own randomness). ``on_error``: ``raise`` an
     :class:`EnvError`, or ``skip`` (the episode is dropped: ``valid`` False, its line in
-    ``errors``)."""
+    ``errors``). ``reuse``: a turn reuses the engine's keys and values of the earlier ones
+    (:meth:`~posttrain.rollout.RolloutEngine.reusing_prefixes`); False re-encodes them."""
     renderer = renderer or Renderer(tokenizer)
     errors: list[str] = []
     live: list[_Live] = []
     for i, row in enumerate(rows):
-        data = {k: v for k, v in row.items() if k != "_row"}
-        for _ in range(n):
+        for _ in range(n):  # each episode its own copy of the row
+            data = copy.deepcopy({k: v for k, v in row.items() if k != "_row"})
             t0 = time.perf_counter()
             try:
                 ep = Episode(spec, data, row.get("_row", i + 1))
@@ -106,28 +112,40 @@ def run_episodes(engine, tokenizer, spec: EnvSpec, rows: list[dict], n: int,
                                f"{limits.max_episode_tokens} that is over max_length "
                                f"{max_length}")
             live.append(_Live(ep, prompt, messages=[msg], env_s=time.perf_counter() - t0))
+    with engine.reusing_prefixes() if reuse else contextlib.nullcontext():
+        _turns(engine, tokenizer, live, n, seeds, params, limits, on_error, renderer, errors)
+    return _collect(live, tokenizer, n, errors)
+
+
+def _turns(engine, tokenizer, live, n, seeds, params, limits, on_error, renderer, errors):
+    """Every episode of ``live`` to its end, one engine call per turn."""
     for turn in range(limits.max_turns):
         running = [k for k, e in enumerate(live) if not e.done]
         if not running:
             break
-        room = {k: limits.max_episode_tokens - len(live[k].tokens) for k in running}
-        budget = min(params.max_new_tokens, max(room.values()))
-        requests = [Request(tuple(live[k].prompt + live[k].tokens),
-                            None if seeds[k // n] is None else
-                            stream_seed(sample_seed(seeds[k // n], k % n), "turn", turn))
-                    for k in running]
-        turn_params = SamplingParams(params.temperature, params.top_p, params.top_k,
-                                     max(1, budget), params.stop)
-        out = engine.generate(requests, 1, turn_params)
-        for j, k in enumerate(running):
+        # each episode's turn budget: max_new_tokens, or what its episode has left (one
+        # call per distinct budget; a sample's draws depend on its seed alone)
+        budget = {k: min(params.max_new_tokens, limits.max_episode_tokens - len(live[k].tokens))
+                  for k in running}
+        outs: dict[int, tuple] = {}
+        for b in sorted(set(budget.values()), reverse=True):
+            part = [k for k in running if budget[k] == b]
+            requests = [Request(tuple(live[k].prompt + live[k].tokens),
+                                None if seeds[k // n] is None else
+                                stream_seed(sample_seed(seeds[k // n], k % n), "turn", turn))
+                        for k in part]
+            out = engine.generate(requests, 1, SamplingParams(
+                params.temperature, params.top_p, params.top_k, b, params.stop))
+            for j, k in enumerate(part):
+                m = out.completion_mask[j].bool()
+                outs[k] = (out.completion_ids[j][m].tolist(), out.logprobs[j][m].tolist(),
+                           out.texts[j], out.policy_version)
+        for k in running:
             e = live[k]
-            m = out.completion_mask[j].bool()
-            ids, lps = out.completion_ids[j][m].tolist(), out.logprobs[j][m].tolist()
-            ended, text = not bool(out.truncated[j]), out.texts[j]
-            if len(ids) > room[k]:  # past this episode's own budget: cut there
-                ids, lps, ended = ids[:room[k]], lps[:room[k]], False
-                text = cut_at_stop(tokenizer.decode(ids, skip_special_tokens=True),
-                                   params.stop)
+            ids, lps, text, e.version = outs[k]
+            # the turn ended with eos (not at its budget, nor at a stop string, after which
+            # the template's closing, eos included, is appended untrained)
+            ended = bool(ids) and ids[-1] == tokenizer.eos_token_id
             e.tokens += ids
             e.mask += [1] * len(ids)
             e.logps += lps
@@ -161,20 +179,23 @@ def run_episodes(engine, tokenizer, spec: EnvSpec, rows: list[dict], n: int,
             e.tokens += nxt
             e.mask += [0] * len(nxt)
             e.logps += [0.0] * len(nxt)
-    return _collect(live, tokenizer, n, errors)
 
 
-def score_episodes(eps: Episodes, rows: list[dict], rewards, on_error: str = "raise"):
+def score_episodes(eps: Episodes, rows: list[dict], rewards, on_error: str = "raise",
+                   completion: str = "transcript"):
     """``(total, terms, valid, correct)`` of episodes (``rows``: each episode's row): the
     total is the return (term ``env``) plus the reward terms, which read each episode's
-    first message as the prompt, its transcript after it as the completion, its row's
-    columns and ``messages`` (the conversation); correct: the total reaches 1."""
+    first message as the prompt, as the completion its transcript after it
+    (``completion="transcript"``, ``--env``) or its last assistant turn (``"answer"``,
+    ``--tools``), its row's columns and ``messages`` (the conversation); correct: the
+    total reaches 1."""
     from posttrain.rewards import reward_columns, score
 
     total, terms, valid = eps.returns, {"env": eps.returns}, eps.valid
     if rewards:
         columns = {**reward_columns(rows), "messages": eps.messages}
-        extra, more, ok = score(rewards, eps.first, eps.rollout.texts, columns, on_error)
+        texts = eps.answers if completion == "answer" else eps.rollout.texts
+        extra, more, ok = score(rewards, eps.first, texts, columns, on_error)
         total, valid = total + extra, valid & ok
         terms.update(more)
     total = torch.where(valid, total, 0.0)
@@ -207,12 +228,15 @@ def _collect(live: list[_Live], tokenizer, n: int, errors: list[str]) -> Episode
                       completion_mask=present, logprobs=logps,
                       truncated=torch.tensor([e.truncated for e in live], dtype=torch.bool),
                       group_ids=torch.arange(N) // n, texts=texts,
-                      loss_mask=loss, stats=stats)
+                      loss_mask=loss, stats=stats,
+                      policy_version=min((e.version for e in live), default=0))
     return Episodes(rollout, torch.tensor([e.ret for e in live], dtype=torch.float64),
                     torch.tensor([e.valid for e in live], dtype=torch.bool),
                     [e.messages[0]["content"] if e.messages else "" for e in live],
                     [e.messages for e in live], torch.tensor([e.turns for e in live]),
-                    float(stats["env_s"].sum()), errors)
+                    float(stats["env_s"].sum()), errors,
+                    [next((m["content"] for m in reversed(e.messages)
+                           if m["role"] == "assistant"), "") for e in live])
 
 
 def _counters(e: _Live) -> dict:

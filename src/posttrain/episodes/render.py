@@ -101,11 +101,3 @@ class Renderer:
             closing = closing[len(self.eos_text):]
         text = closing + self._opening(messages)
         return list(self.tok(text, add_special_tokens=False)["input_ids"])
-
-    def end(self, ended: bool) -> list[int]:
-        """The ids that close the last assistant turn of a conversation (SFT): the closing
-        less the eos already counted as the turn's."""
-        closing = self.closing()
-        if ended and self.eos_text and closing.startswith(self.eos_text):
-            closing = closing[len(self.eos_text):]
-        return list(self.tok(closing, add_special_tokens=False)["input_ids"]) if closing else []

@@ -224,6 +224,11 @@ class LeanLlamaDecoder:
             slots = rows if not self.moves else self.moves[-1][1][rows]
             self.moves.append((self.col - self.start, slots))
 
+    def kv(self, slots: torch.Tensor, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values of cache ``slots`` over the first ``columns`` columns,
+        ``(layers, len(slots), kv heads, columns, head dim)`` each (views)."""
+        return self.k[:, slots, :, :columns], self.v[:, slots, :, :columns]
+
     def _rope(self, x, cos, sin):  # x (R, heads, hd); cos/sin (R, 1, hd), sin signed
         return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)
 

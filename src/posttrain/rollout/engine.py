@@ -35,6 +35,7 @@ incremental and the full forward.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 
 import torch
@@ -95,6 +96,14 @@ class RolloutEngine:
     def wake(self) -> None:
         pass
 
+    @contextlib.contextmanager
+    def reusing_prefixes(self):
+        """Within it, a request that extends a sequence the previous ``generate`` call
+        produced (its prompt and completion, e.g. an episode's next turn) may reuse what
+        the engine computed for that sequence instead of encoding it again. A no-op here
+        (vLLM's prefix cache does this on its own)."""
+        yield self
+
     def close(self) -> None:
         pass
 
@@ -148,14 +157,36 @@ def compaction(live: torch.Tensor) -> torch.Tensor:
     return rows
 
 
-def _prefill(model, prompt_ids: list[list[int]], n: int, pad_id: int, device):
+def _prefill(model, prompt_ids: list[list[int]], n: int, pad_id: int, device,
+             past: list | None = None):
     """The prompts' forward, left-padded so every prompt ends at the last column: their KV
     cache, and for each of the ``n`` samples per prompt the next-token logits ``(N, V)``,
-    attention mask ``(N, Lp)`` and next position ``(N,)``."""
-    ids, mask = pad_left(prompt_ids, pad_id)
+    attention mask ``(N, Lp)`` and next position ``(N,)``. ``past``: per prompt, None or
+    the keys and values ``(layers, kv heads, L, head dim)`` of its first L tokens (kept
+    from the previous call, :meth:`DecodingEngine.reusing_prefixes`): only the rest is
+    run, over a cache of those (left-padded; the mask has a hole between the two parts)."""
+    lengths = [0] * len(prompt_ids) if past is None else [
+        0 if kv is None else kv[0].shape[2] for kv in past]
+    ids, mask = pad_left([p[k:] for p, k in zip(prompt_ids, lengths, strict=True)], pad_id)
     ids, mask = ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp_min(0)
     cache = DynamicCache()
+    L = max(lengths)
+    if L:
+        positions = positions + torch.tensor(lengths, device=device)[:, None]
+        ref = next(kv for kv in past if kv is not None)[0]
+        layers, heads, _, dim = ref.shape
+        k = ref.new_zeros(layers, len(past), heads, L, dim)
+        v = torch.zeros_like(k)
+        held = torch.zeros(len(past), L, dtype=mask.dtype, device=device)
+        for i, kv in enumerate(past):
+            if kv is not None:
+                k[:, i, :, L - lengths[i]:] = kv[0].to(device)
+                v[:, i, :, L - lengths[i]:] = kv[1].to(device)
+                held[i, L - lengths[i]:] = 1
+        for layer in range(layers):
+            cache.update(k[layer], v[layer], layer)
+        mask = torch.cat([held, mask], dim=1)
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                 logits_to_keep=1, **{cache_kwarg(model): cache})
     logits = out.logits[:, -1].repeat_interleave(n, dim=0)  # (N, V)
@@ -209,6 +240,11 @@ class DecodingEngine(RolloutEngine):
     def __init__(self, model, tokenizer, shares_weights: bool = True):
         self.model, self.tokenizer = model, tokenizer
         self.shares_weights = shares_weights
+        self._reuse = False  # inside reusing_prefixes()
+        self._extended: set[tuple[int, ...]] = set()
+        self._held: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        """Inside reusing_prefixes(): the last call's sequences (prompt and completion, less
+        its last token, which was never fed) and their keys and values."""
         self._refilled: dict[str, torch.Size] = {}  # name -> shape of what a sync sends
         self._freed = False  # sleep() emptied the tensors of _refilled
 
@@ -245,6 +281,35 @@ class DecodingEngine(RolloutEngine):
             if name in self._refilled:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self._freed = True
+
+    @contextlib.contextmanager
+    def reusing_prefixes(self):
+        """Within it, each call keeps every sample's keys and values, and a later call
+        runs only what a request adds to one of them (an episode's next turn: the last
+        sampled token, the environment's message, the generation prompt); a kept sequence
+        is released once extended, the rest when the block ends (at most one per
+        episode). The reused keys and values are the decode steps'
+        own, so a sample's log-probs differ from a full prefill's by float rounding."""
+        self._reuse, self._held, self._extended = True, {}, set()
+        try:
+            yield self
+        finally:
+            self._reuse, self._held, self._extended = False, {}, set()
+
+    def _past(self, prompt_ids: list[list[int]]) -> list | None:
+        """Per prompt, the kept keys and values of its longest held prefix (at least one
+        token must remain to run), or None."""
+        if not self._held:
+            return None
+        lengths = sorted({len(k) for k in self._held}, reverse=True)
+        out = []
+        for p in prompt_ids:
+            key = next((tuple(p[:n]) for n in lengths
+                        if n < len(p) and tuple(p[:n]) in self._held), None)
+            out.append(None if key is None else self._held[key])
+            if key is not None:  # extended: released after this call (its extension is kept)
+                self._extended.add(key)
+        return out if any(x is not None for x in out) else None
 
     def score(self, sequences: list[list[int]], prompt_lens: list[int]) -> list[torch.Tensor]:
         from posttrain.rollout.guard import trainer_logprobs
@@ -287,8 +352,24 @@ class DecodingEngine(RolloutEngine):
             uniforms = uniforms.to(device)
         was_training = model.training
         model.eval()
-        cache, logits, mask, next_pos = _prefill(model, prompt_ids, n, pad_id, device)
+        past = self._past(prompt_ids) if self._reuse else None
+        cache, logits, mask, next_pos = _prefill(model, prompt_ids, n, pad_id, device, past)
+        Lp = mask.shape[1]  # the cache's columns before decoding (with a reused past)
         extras = extras & self.extras
+        held: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def keep(slots: torch.Tensor, rows: torch.Tensor, t: int) -> None:
+            """Keep the keys and values of ``rows`` (in cache ``slots``), whose last
+            sampled token is column ``t``: the prompt's columns and the tokens fed."""
+            if not self._reuse:
+                return
+            k, v = decoder.kv(slots, Lp + t)  # (layers, rows, heads, cols, dim)
+            for j, r in enumerate(rows.tolist()):
+                cols = torch.cat([mask[r].nonzero().squeeze(-1),
+                                  torch.arange(Lp, Lp + t, device=mask.device)])
+                seq = tuple(prompt_ids[r // n]) + tuple(tokens[r, :t].tolist())
+                held[seq] = (k[:, j][:, :, cols].clone(), v[:, j][:, :, cols].clone())
+
         decoder = self.decoder(cache, n, Lp + T, mask, next_pos, "projections" in extras)
 
         tokens = torch.full((N, T), pad_id, dtype=torch.long, device=device)
@@ -313,16 +394,28 @@ class DecodingEngine(RolloutEngine):
                 rows = finished.nonzero().squeeze(-1) if active is None else active[finished]
                 done[rows] = True
                 end[rows] = t
-                keep = compaction(~finished)
-                if len(keep) == 0 or t == T - 1:
+                keep(finished.nonzero().squeeze(-1), rows, t)
+                kept = compaction(~finished)
+                if len(kept) == 0 or t == T - 1:
+                    if len(kept):  # the budget's end: the rows still running too
+                        keep((~finished).nonzero().squeeze(-1),
+                             (torch.arange(N, device=device) if active is None
+                              else active)[~finished], t)
                     break
-                decoder.select(keep)
-                active = keep if active is None else active[keep]
-                tok = tok[keep]
+                decoder.select(kept)
+                active = kept if active is None else active[kept]
+                tok = tok[kept]
             if t == T - 1:
+                live = torch.arange(N, device=device) if active is None else active
+                keep(torch.arange(len(live), device=device), live, t)
                 break
             logits = decoder.step(tok)
         model.train(was_training)
+        if self._reuse:  # (what no call extended stays until reusing_prefixes() ends)
+            for key in self._extended:
+                self._held.pop(key, None)
+            self._extended = set()
+            self._held.update(held)
         activations = decoder.activations(steps, end.clamp_max(steps - 1))
         if head is not None:
             head = _head_stats(head[:, :, :steps], end.clamp_max(steps - 1))

@@ -31,6 +31,13 @@ class HFDecoder:
         self.pos = self.pos + 1
         return out.logits[:, -1]
 
+    def kv(self, slots: torch.Tensor, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values of cache ``slots`` over the first ``columns`` columns,
+        ``(layers, len(slots), kv heads, columns, head dim)`` each."""
+        layers = self.cache.layers
+        return (torch.stack([x.keys[slots, :, :columns] for x in layers]),
+                torch.stack([x.values[slots, :, :columns] for x in layers]))
+
     def activations(self, columns: int, end: torch.Tensor) -> None:
         return None  # nothing is captured on this path
 

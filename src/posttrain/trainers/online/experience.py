@@ -80,6 +80,9 @@ class ExperienceMaker:
                 self.env, tools = EnvSpec.parse(cfg.env, cfg.env_kwargs, cfg.env_timeout), None
             self.limits = EpisodeLimits(cfg.max_turns, cfg.max_episode_tokens)
             self.renderer = Renderer(tokenizer, tools)
+        self.completion = "answer" if getattr(cfg, "tools", None) else "transcript"
+        """What the reward terms score of an episode: its last turn (tools), or the whole
+        transcript."""
 
     def prompt_ids(self, row: dict) -> tuple[int, ...]:
         """The row's prompt as token ids, tokenised once per run (plain text)."""
@@ -146,7 +149,8 @@ class ExperienceMaker:
             from posttrain.episodes import score_episodes
 
             total, terms, valid, correct = score_episodes(episodes, rep, self.rewards,
-                                                          self.cfg.on_reward_error)
+                                                          self.cfg.on_reward_error,
+                                                          self.completion)
         if self.algo.overlong_shaping:
             budget = self.cfg.max_episode_tokens if episodes is not None else \
                 self.cfg.max_new_tokens
@@ -218,7 +222,11 @@ class ExperienceMaker:
         ``(groups kept, groups with a signal)``."""
         total, terms, valid, correct = scored
         G = self.cfg.group_size
-        signal = groups_with_signal(total, rollout.group_ids)
+        # a sample skipped on an error is a group of its own (as for the advantages), so its
+        # placeholder score gives its group no signal
+        ids = rollout.group_ids.clone()
+        ids[~valid] = int(ids.max()) + 1 + torch.arange(int((~valid).sum()))
+        signal = groups_with_signal(total, ids) & valid
         groups = rollout.group_ids[signal].unique()[:room]
         keep = torch.isin(rollout.group_ids, groups).nonzero().squeeze(-1)
         if dist.world_size() > 1:  # this rank's kept rows (one process: all of them)

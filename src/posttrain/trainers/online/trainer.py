@@ -359,8 +359,8 @@ class RLTrainer(Job):
             x, cfg = self.experience, self.cfg
             correct, total, valid = greedy_episodes(
                 self.engine, self.tok, x.env, rows, self.rewards, x.limits, cfg.max_new_tokens,
-                x.params.stop, cfg.eval_batch_size, x.renderer, cfg.on_reward_error,
-                cfg.max_length)
+                x.params.stop, cfg.eval_batch_size, x.renderer, "skip", cfg.max_length,
+                x.completion)
             n_correct, n_valid = float(correct.sum()), float(valid.sum())
             reward = float(total[valid].double().sum())
         elif rows:

@@ -175,7 +175,7 @@ def run_updates(policy, critic, algo: Algorithm, tokens: TokenBatch, x: UpdateIn
                 m.update(accumulate_policy_gradient(
                     policy, algo, tokens, x.mask, idx, x.advantages, x.old_logprobs,
                     x.ref_logprobs, live, x.local_of, cfg.micro_batch_size,
-                    cfg.max_new_tokens, x.recorded, x.behaviour, x.correction))
+                    _token_budget(cfg), x.recorded, x.behaviour, x.correction))
                 norm["grad_norm"] = policy_opt.step()
                 n_steps += 1
                 if tokens is not None:  # the policy moved: the sampler's cache is stale
@@ -196,3 +196,11 @@ def run_updates(policy, critic, algo: Algorithm, tokens: TokenBatch, x: UpdateIn
         for k, v in m.items():
             sums[k] = sums.get(k, 0.0) + v
     return {**sums, **norms}, n_steps, n_critic_steps
+
+
+def _token_budget(cfg) -> int:
+    """The most tokens a sample trains: max_new_tokens, or an episode's (every turn's,
+    within max_episode_tokens) — the constant of the ``seq_sum_const`` aggregation."""
+    if getattr(cfg, "episodic", False):
+        return min(cfg.max_turns * cfg.max_new_tokens, cfg.max_episode_tokens)
+    return cfg.max_new_tokens
