@@ -214,7 +214,7 @@ def test_env_spec_errors(env_file, tmp_path):
         EnvSpec.parse("nocolon")
     with pytest.raises(FileNotFoundError, match="no file"):
         EnvSpec.parse(f"{tmp_path}/none.py:X")
-    with pytest.raises(ValueError, match="has no 'Nope'"):
+    with pytest.raises(ValueError, match="has no Name 'Nope'"):
         EnvSpec.parse(f"{env_file}:Nope")
     with pytest.raises(ValueError, match="env_kwargs: expected a JSON object"):
         EnvSpec.parse(f"{env_file}:Chatty", "[1]")

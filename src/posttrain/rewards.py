@@ -16,13 +16,9 @@ only a non-finite value is left out, as NaN; evaluation reports it).
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -77,23 +73,12 @@ class RewardModelReward:
 
 def load_reward_function(spec: str) -> Callable:
     """``module:function`` or ``path/to/file.py:function`` → the callable."""
-    if ":" not in spec:
-        raise ValueError(f"reward {spec!r}: expected module:function or file.py:function")
-    target, func = spec.rsplit(":", 1)
-    if target.endswith(".py"):
-        path = Path(target)
-        if not path.exists():
-            raise FileNotFoundError(f"reward {spec!r}: no file {target}")
-        name = f"posttrain_user_{path.stem}_{abs(hash(str(path.resolve())))}"
-        mod_spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(mod_spec)
-        sys.modules[name] = module  # (dataclasses and typing look their module up there)
-        mod_spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(target)
-    fn = getattr(module, func, None)
+    from posttrain.userfiles import load_object
+
+    fn = load_object(spec, "reward", "function")
     if not callable(fn):
-        raise ValueError(f"reward {spec!r}: {target} has no function {func!r}")
+        raise ValueError(f"reward {spec!r}: {spec.rsplit(':', 1)[0]} has no function "
+                         f"{spec.rsplit(':', 1)[1]!r}")
     return fn
 
 

@@ -18,42 +18,16 @@ past the timeout is an :class:`EnvError` naming the class, the row and the turn.
 from __future__ import annotations
 
 import concurrent.futures
-import importlib
-import importlib.util
 import json
 import math
 import numbers
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
+
+from posttrain.userfiles import load_object
 
 
 class EnvError(ValueError):
     """An environment broke the protocol (one line: class, row, turn, what)."""
-
-
-def load_object(spec: str, what: str):
-    """``module:Name`` or ``path/to/file.py:Name`` → the object it names."""
-    if ":" not in spec:
-        raise ValueError(f"{what} {spec!r}: expected module:Name or file.py:Name")
-    target, name = spec.rsplit(":", 1)
-    if target.endswith(".py"):
-        path = Path(target)
-        if not path.exists():
-            raise FileNotFoundError(f"{what} {spec!r}: no file {target}")
-        # registered under a name of its own before it runs (dataclasses and typing look
-        # their module up in sys.modules)
-        name_ = f"posttrain_user_{path.stem}_{abs(hash(str(path.resolve())))}"
-        mod_spec = importlib.util.spec_from_file_location(name_, path)
-        module = importlib.util.module_from_spec(mod_spec)
-        sys.modules[name_] = module
-        mod_spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(target)
-    obj = getattr(module, name, None)
-    if obj is None:
-        raise ValueError(f"{what} {spec!r}: {target} has no {name!r}")
-    return obj
 
 
 def parse_kwargs(text: str | None, what: str = "env_kwargs") -> dict:
