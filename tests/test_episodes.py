@@ -371,7 +371,7 @@ def test_every_algorithm_trains_on_a_users_environment(tiny_model_dir, tmp_path,
     from posttrain.trainers.online import run_rl
 
     cls = PPOConfig if algo in ("ppo", "reinforce_pp") else None
-    extra = {} if algo != "dapo" else {"dynamic_sampling": False}
+    extra = {} if algo != "dapo" else {"dynamic_sampling_rounds": 2}
     metrics = run_rl(_rl(tiny_model_dir, tmp_path, env_file, env_data, cls, algo=algo,
                          env_kwargs='{"reply": "ok"}', **extra))
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
