@@ -8,6 +8,8 @@ each sample is a full prompt + completion sequence.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from posttrain import data as data_mod
@@ -40,6 +42,11 @@ class TokenBatch:
         old and reference log-probs are of the distribution that sampled (top-k / top-p
         truncation is not applied: the sampler's log-probs include it)."""
         self.share = share_prompt
+        self.routing = None
+        """The policy's :class:`~posttrain.models.routing.Routing` for this batch (MoE, whole
+        sequences), and what its passes do with it now (``routing_mode``: record, replay,
+        compare, observe; None: nothing)."""
+        self.routing_mode: str | None = None
         self.cache = rollout.cache.to(device) if share_prompt and rollout.cache else None
         rollout.cache = None
         self.completion_ids = rollout.completion_ids.to(device)
@@ -104,10 +111,11 @@ class TokenBatch:
                 kw["replay"], kw["known_head"] = got.replay, got.head
             return shared_prompt_logprobs(model, *args, with_entropy=with_entropy,
                                           temperature=self.temperature, **kw)
-        out = completion_logprobs(model, self.full["input_ids"][rows],
-                                  self.full["attention_mask"][rows],
-                                  self.full["loss_mask"][rows], with_entropy=with_entropy,
-                                  temperature=self.temperature)
+        with self._routing(rows):
+            out = completion_logprobs(model, self.full["input_ids"][rows],
+                                      self.full["attention_mask"][rows],
+                                      self.full["loss_mask"][rows], with_entropy=with_entropy,
+                                      temperature=self.temperature)
         outs = out if with_entropy else (out,)
         # completion token j of a row sits at sequence position len(prompt) + j, so its
         # log-prob is column len(prompt) + j - 1 of the (T - 1) layout
@@ -117,6 +125,16 @@ class TokenBatch:
         cols = cols.clamp_max(outs[0].shape[1] - 1)
         res = [torch.where(mask, x.gather(1, cols), 0.0) for x in outs]
         return tuple(res) if with_entropy else res[0]
+
+    def _routing(self, rows: torch.Tensor):
+        """The routing context of a forward of ``rows`` (a no-op without one); rows never
+        recorded (a rank's stand-in forward) are observed, not replayed."""
+        if self.routing is None or self.routing_mode is None:
+            return contextlib.nullcontext()
+        mode = self.routing_mode
+        if mode in ("replay", "compare") and not self.routing.has(rows):
+            mode = "observe"
+        return self.routing.call(rows, self.full["attention_mask"][rows], mode)
 
     def release_sampler_cache(self) -> None:
         """Drop the sampler's cache (the policy has moved; a rank whose rows of a minibatch

@@ -46,6 +46,7 @@ from posttrain.models import (
     load_reward_model,
     load_tokenizer,
     lora,
+    routing,
     save_model,
     value_head,
 )
@@ -86,7 +87,17 @@ class RLTrainer(Job):
         self.merged = self.sharded and lora.is_adapted(self.policy)
         self.sampler = sampler_module(cfg, self.policy, self.merged, self.sharded)
         self.device = next(self.policy.parameters()).device
-        self.share_prompt = decide_share_prompt(cfg.share_prompt, self.policy, cfg.group_size)
+        self.moe = routing.is_moe(self.policy)
+        """A mixture-of-experts policy: its passes run whole sequences (the layout routing is
+        recorded and replayed in) unless share_prompt is set, and the step logs router/*."""
+        if cfg.routing_replay != "none" and not self.moe:
+            raise ConfigError(f"routing_replay={cfg.routing_replay} needs a mixture-of-experts "
+                              f"policy; {type(self.policy).__name__} has no router")
+        self.share_prompt = (False if self.moe and cfg.share_prompt is None else
+                             decide_share_prompt(cfg.share_prompt, self.policy, cfg.group_size))
+        if cfg.routing_replay != "none" and self.share_prompt:
+            raise ConfigError("routing_replay needs share_prompt=false (routing is recorded "
+                              "and replayed over whole sequences)")
         self.ref = None
         """The frozen reference; None with LoRA (the policy with its adapter off)."""
         if self.algo.needs_reference and not lora.is_adapted(self.policy):
@@ -229,6 +240,10 @@ class RLTrainer(Job):
                                        or _groups_share_prompts(exp.rollout))
         tokens = (TokenBatch(exp.local, self.tok.pad_token_id, self.device, share,
                              cfg.temperature) if len(exp.own) or self.sharded else None)
+        routed = None  # the policy's routing through the step's passes (MoE)
+        if self.moe and tokens is not None and not tokens.share:
+            routed = tokens.routing = routing.Routing(self.policy, len(tokens),
+                                                      tokens.full["input_ids"].shape[1])
         valid = exp.valid.to(self.device)
         mask = exp.rollout.trained_mask.to(self.device).float() * valid[:, None]
         # 2. passes: old log-probs, reference log-probs, old values
@@ -247,6 +262,9 @@ class RLTrainer(Job):
         x = UpdateInputs(mask, adv, old, ref, old_values, returns, live, self._local_of(exp),
                          recorded, exp.rollout.logprobs.to(self.device), self.correction)
         critic_opt = self.optimizers[1] if self.critic is not None else None
+        if routed is not None:  # r2: through the old pass's experts; else compare with them
+            tokens.routing_mode = ("replay" if cfg.routing_replay == "r2" else
+                                   "compare" if old is not None else "observe")
         sums, n_steps, n_critic = run_updates(
             self.policy, self.critic, algo, tokens, x,
             self.optimizers[0] if train_policy else None, critic_opt, cfg, self.gen)
@@ -264,6 +282,10 @@ class RLTrainer(Job):
         record, kl = step_metrics(cfg, algo, exp, tokens, scores, mask, valid, old, ref,
                                   old_values, returns, live, sums, n_steps, n_critic, times)
         record.update(checked)
+        if routed is not None:
+            record.update(routed.metrics())
+            routed.close()
+            tokens.routing = None
         if old is not None:
             record.update(logprob_gap(old, exp.rollout.logprobs, mask))
         elif recorded[1].any():  # the first update's log-probs, on the rows it computed
@@ -306,7 +328,8 @@ class RLTrainer(Job):
         without a critic), each ``(N, Lc)`` over the step's samples: this rank computes
         its rows ``own`` (rows of its ``tokens``; None: no rows) and gets the others'."""
         cfg = self.cfg
-        several_updates = cfg.ppo_epochs > 1 or cfg.minibatch_size < len(mask)
+        several_updates = (cfg.ppo_epochs > 1 or cfg.minibatch_size < len(mask)
+                           or cfg.routing_replay == "r2")  # (r2 records in the old pass)
         own = own.to(self.device)
         # the rows of ``tokens`` to compute: sharded, it holds every sample
         rows = own if self.sharded else torch.arange(len(own), device=self.device)
@@ -323,8 +346,12 @@ class RLTrainer(Job):
             return dist.assemble(local.float(), own, len(mask))
 
         with torch.no_grad():
+            if tokens is not None and tokens.routing is not None:
+                tokens.routing_mode = "record"
             old = (whole(self.policy, lambda m, r: tokens.logprobs(m, r, reuse=True))
                    if several_updates or algo.reward_kl_coef != 0 else None)
+            if tokens is not None:
+                tokens.routing_mode = None  # (the reference may be the policy, adapter off)
             old_values = whole(self.critic, lambda m, r: tokens.values(m, r))
         ref = None
         if self.algo.needs_reference:

@@ -1,0 +1,188 @@
+"""Mixture-of-experts routing: record which experts each token went to, and replay them.
+
+Implemented once, on the router modules of ``transformers``' mixture-of-experts blocks
+(``MixtralTopKRouter``, ``Qwen2MoeTopKRouter``, ``Qwen3MoeTopKRouter``, ...: a module with a
+``weight`` ``(experts, hidden)`` and ``top_k`` whose forward returns ``(logits, scores,
+indices)`` for the flattened tokens of a call), by forward hooks — no family's block is
+copied.
+
+:class:`Routing` keeps the decisions in a layout of its own, ``(routers, rows, positions,
+k)``: a forward runs inside ``routing.call(rows, mask, mode)``, where ``rows`` are the
+sequences of the call's batch and ``mask`` ``(len(rows), T)`` its real tokens, so a
+recording made in one pass (all rows at once) replays in another (micro-batches of them).
+
+- ``record``: each router's chosen experts are stored.
+- ``compare``: the router routes as it will, and the tokens whose expert set differs from
+  the stored one are counted (what replay would have changed).
+- ``replay``: each router routes through the stored experts; the gate's weights still come
+  from the current router's probabilities over them, normalised as the family normalises
+  its top-k (so the router keeps learning, and a replay of the routing it would have chosen
+  is exactly the plain forward). The share of real tokens whose expert set differs from
+  what the router would have chosen is counted (:attr:`Routing.disagreement`).
+- both: per router, the experts' load, the router's entropy and the auxiliary
+  load-balancing loss, over the real tokens (:meth:`Routing.metrics`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def routers(model) -> list[torch.nn.Module]:
+    """The model's top-k routers, in the order its forward calls them."""
+    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")
+            and hasattr(m, "weight") and hasattr(m, "top_k")]
+
+
+def is_moe(model) -> bool:
+    return bool(routers(model))
+
+
+def replay_scores(router, logits: torch.Tensor, indices: torch.Tensor, dtype) -> torch.Tensor:
+    """The gate's weights of the experts ``indices`` ``(tokens, k)``: the router's softmax
+    at them, normalised over them as the family does (Mixtral always; Qwen-MoE when
+    ``norm_topk_prob``)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    top = probs.gather(-1, indices)
+    if getattr(router, "norm_topk_prob", True):
+        top = top / top.sum(dim=-1, keepdim=True)
+    return top.to(dtype)
+
+
+class Routing:
+    """Recorded routing of ``rows`` sequences of up to ``width`` positions through
+    ``model``'s routers (see the module docstring). Close it (or use it as a context
+    manager) to remove its hooks."""
+
+    def __init__(self, model, rows: int, width: int):
+        self.routers = routers(model)
+        if not self.routers:
+            raise ValueError(f"{type(model).__name__} has no mixture-of-experts router")
+        k = max(r.top_k for r in self.routers)
+        self.indices = torch.full((len(self.routers), rows, width, k), -1, dtype=torch.long,
+                                  device=next(model.parameters()).device)
+        self._call: tuple | None = None  # (rows, mask, mode)
+        self.recorded = torch.zeros(rows, dtype=torch.bool, device=self.indices.device)
+        self.differ = [0.0] * len(self.routers)  # per router: replayed real tokens that
+        self.counted = [0.0] * len(self.routers)  # the router would have sent elsewhere
+        self._stats: list[dict[str, torch.Tensor]] = [{} for _ in self.routers]
+        self._hooks = [r.register_forward_hook(self._hook(i))
+                       for i, r in enumerate(self.routers)]
+
+    @contextlib.contextmanager
+    def call(self, rows: torch.Tensor, mask: torch.Tensor, mode: str):
+        """A forward of the sequences ``rows`` (real tokens ``mask``) that records or
+        replays."""
+        if mode not in ("record", "replay", "compare", "observe"):
+            raise ValueError(f"routing mode {mode!r}")
+        self._call = (rows, mask.bool(), mode)
+        try:
+            yield self
+        finally:
+            self._call = None
+
+    def _hook(self, i: int):
+        def hook(module, args, output):
+            if self._call is None:
+                return None
+            rows, mask, mode = self._call
+            logits, scores, idx = output
+            B, T = mask.shape
+            if idx.shape[0] != B * T:
+                raise RuntimeError(f"routing: a call of {idx.shape[0]} tokens, not the "
+                                   f"{B}×{T} of its rows")
+            k = idx.shape[1]
+            real = mask.reshape(-1)
+            if mode == "record":
+                self.indices[i, rows, :T, :k] = idx.view(B, T, k)
+                self.recorded[rows] = True
+            self._observe(i, logits, idx, real)
+            if mode not in ("replay", "compare"):
+                return None
+            want = self.indices[i, rows, :T, :k].reshape(-1, k)
+            if bool((want[real] < 0).any()):
+                raise RuntimeError("routing replay: a token that was never recorded")
+            want = torch.where(real[:, None], want, idx)  # padding: its own routing
+            same = (want.sort(-1).values == idx.sort(-1).values).all(-1)
+            self.differ[i] += float((~same & real).sum())
+            self.counted[i] += float(real.sum())
+            if mode == "compare":  # counted only: the router's own routing goes on
+                return None
+            return logits, replay_scores(module, logits, want, scores.dtype), want
+        return hook
+
+    def _observe(self, i: int, logits, idx, real) -> None:
+        """Accumulate router ``i``'s load, entropy and auxiliary-loss terms over the call's
+        real tokens."""
+        with torch.no_grad():
+            probs = torch.softmax(logits.detach().float()[real], dim=-1)  # (n, E)
+            E = probs.shape[-1]
+            counts = torch.zeros(E, device=probs.device).index_add_(
+                0, idx[real].reshape(-1), torch.ones(idx[real].numel(), device=probs.device))
+            s = self._stats[i]
+            for key, value in (("counts", counts), ("prob_sum", probs.sum(0)),
+                               ("entropy_sum", -(probs * probs.clamp_min(1e-30).log())
+                                .sum(-1).sum()), ("tokens", torch.tensor(float(len(probs))))):
+                s[key] = s.get(key, 0) + value
+
+    def has(self, rows: torch.Tensor) -> bool:
+        """Whether every one of ``rows`` was recorded."""
+        return bool(self.recorded[rows].all())
+
+    @property
+    def disagreement(self) -> float:
+        """The share of replayed real tokens (over every router) whose expert set differs
+        from the one the router chose; NaN before any replay."""
+        n = sum(self.counted)
+        return sum(self.differ) / n if n else float("nan")
+
+    def metrics(self, prefix: str = "router/") -> dict[str, float]:
+        """Per router ``i``: ``load_max_over_mean_i`` (the busiest expert's share of the
+        assignments against the mean share, 1 when balanced), ``entropy_i`` (nats, mean
+        over tokens), ``aux_loss_i`` (the Switch load-balancing loss E·Σ_e f_e·P_e: f the
+        share of assignments, P the mean probability); their means over routers; and
+        ``disagreement`` (and ``disagreement_i``) when replaying or comparing. Accumulated
+        since the last call, then reset."""
+        out: dict[str, float] = {}
+        means: dict[str, list[float]] = {"load_max_over_mean": [], "entropy": [],
+                                         "aux_loss": []}
+        for i, s in enumerate(self._stats):
+            if not s:
+                continue
+            n = float(s["tokens"])
+            if n == 0:
+                continue
+            f = s["counts"] / s["counts"].sum()
+            P = s["prob_sum"] / n
+            E = len(f)
+            values = {"load_max_over_mean": float(f.max() * E),
+                      "entropy": float(s["entropy_sum"]) / n,
+                      "aux_loss": float(E * (f * P).sum())}
+            for key, v in values.items():
+                out[f"{prefix}{key}_{i}"] = v
+                means[key].append(v)
+        for key, vs in means.items():
+            if vs:
+                out[f"{prefix}{key}"] = sum(vs) / len(vs)
+        if sum(self.counted):
+            out[f"{prefix}disagreement"] = self.disagreement
+            for i, (d, n) in enumerate(zip(self.differ, self.counted, strict=True)):
+                if n:
+                    out[f"{prefix}disagreement_{i}"] = d / n
+        self._stats = [{} for _ in self.routers]
+        self.differ = [0.0] * len(self.routers)
+        self.counted = [0.0] * len(self.routers)
+        return out
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,232 @@
+"""Routing replay on mixture-of-experts families built here (Mixtral; Qwen2-MoE with its
+shared expert and unnormalised top-k; Qwen3-MoE): a recording replays exactly — the update's
+routing is the recorded one, whatever the router has become — the gate's weights still come
+from the current router (it gets a gradient), a replay of the router's own choice is the
+plain forward bit for bit, and without replay the disagreement is measured."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    MixtralConfig,
+    Qwen2MoeConfig,
+    Qwen3MoeConfig,
+)
+
+from posttrain.models.routing import Routing, routers
+
+COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+              num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+              max_position_embeddings=64, pad_token_id=0, tie_word_embeddings=False)
+FAMILIES = {
+    "mixtral": (MixtralConfig, dict(num_local_experts=6, num_experts_per_tok=2)),
+    "qwen2_moe": (Qwen2MoeConfig, dict(num_experts=6, num_experts_per_tok=2,
+                                       moe_intermediate_size=24, norm_topk_prob=False,
+                                       shared_expert_intermediate_size=24)),
+    "qwen3_moe": (Qwen3MoeConfig, dict(num_experts=6, num_experts_per_tok=2,
+                                       moe_intermediate_size=24, norm_topk_prob=True)),
+}
+
+
+@pytest.fixture(params=sorted(FAMILIES))
+def moe(request):
+    cls, extra = FAMILIES[request.param]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cls(**{**COMMON, **extra})).eval()
+    with torch.no_grad():  # routers large enough to route decisively
+        for r in routers(model):
+            r.weight.normal_(0, 1.0)
+    return model
+
+
+def batch():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 64, (3, 7), generator=g)
+    mask = torch.ones(3, 7, dtype=torch.long)
+    mask[1, :2] = 0  # left padding
+    mask[2, 5:] = 0  # right padding
+    return ids, mask
+
+
+def forward(model, ids, mask):
+    return model(input_ids=ids, attention_mask=mask).logits
+
+
+def test_routers_are_found_in_layer_order(moe):
+    assert len(routers(moe)) == moe.config.num_hidden_layers
+
+
+def test_replaying_the_routers_own_choice_is_the_plain_forward(moe):
+    ids, mask = batch()
+    rows = torch.arange(3)
+    with torch.no_grad():
+        plain = forward(moe, ids, mask)
+        with Routing(moe, 3, 7) as routing:
+            with routing.call(rows, mask, "record"):
+                recorded = forward(moe, ids, mask)
+            with routing.call(rows, mask, "replay"):
+                replayed = forward(moe, ids, mask)
+            assert routing.disagreement == 0.0
+    assert torch.equal(plain, recorded) and torch.equal(plain, replayed)
+
+
+def test_replay_routes_through_the_recorded_experts_and_the_router_learns(moe):
+    """After the first router moves, the plain forward routes some real tokens elsewhere
+    (the disagreement: exactly the count at that router, whose input replay does not
+    change); under replay every real token goes to its recorded experts at every router,
+    in micro-batches of rows other than the recording's, and the routers' weights get a
+    gradient."""
+    ids, mask = batch()
+    routing = Routing(moe, 3, 7)
+    with torch.no_grad(), routing.call(torch.arange(3), mask, "record"):
+        forward(moe, ids, mask)
+    recorded = routing.indices.clone()
+    with torch.no_grad():
+        first = routers(moe)[0]
+        first.weight.add_(torch.randn_like(first.weight))
+    seen = Routing(moe, 3, 7)  # what the routers choose now, without replay
+    with torch.no_grad(), seen.call(torch.arange(3), mask, "record"):
+        forward(moe, ids, mask)
+    real = mask.bool()[None, :, :, None].expand_as(recorded)
+    moved = (recorded[0].sort(-1).values != seen.indices[0].sort(-1).values).any(-1)
+    n_moved = int((moved & mask.bool()).sum())
+    assert n_moved > 0  # the perturbation changed some tokens' experts
+    seen.close()
+    # replay, one micro-batch of row 2 then one of rows 0 and 1
+    for rows in (torch.tensor([2]), torch.tensor([0, 1])):
+        check = Routing(moe, 3, 7)  # records what the replayed forward really routed to
+        with routing.call(rows, mask[rows], "replay"), check.call(rows, mask[rows], "record"):
+            out = forward(moe, ids[rows], mask[rows])
+        got = check.indices[:, rows]
+        want = recorded[:, rows]
+        keep = real[:, rows]
+        assert torch.equal(got[keep], want[keep])
+        check.close()
+        out[mask[rows].bool()].sum().backward()
+    assert routing.differ[0] == n_moved and routing.counted[0] == int(mask.sum())
+    assert all(r.weight.grad is not None and r.weight.grad.abs().sum() > 0
+               for r in routers(moe))
+    metrics = routing.metrics()
+    for key in ("router/load_max_over_mean", "router/entropy", "router/aux_loss",
+                "router/disagreement"):
+        assert key in metrics
+    assert metrics["router/load_max_over_mean"] >= 1.0
+    assert 0 < metrics["router/entropy"] <= float(torch.log(torch.tensor(6.0))) + 1e-6
+    routing.close()
+
+
+def test_router_metrics_against_a_direct_count(moe):
+    """Load, entropy and the auxiliary loss over the real tokens only, computed here from
+    the router's logits in float64."""
+    ids, mask = batch()
+    logits = []
+    hooks = [r.register_forward_hook(lambda m, a, o: logits.append(o[0].detach()))
+             for r in routers(moe)]
+    with torch.no_grad(), Routing(moe, 3, 7) as routing:
+        with routing.call(torch.arange(3), mask, "record"):
+            forward(moe, ids, mask)
+        got = routing.metrics()
+    for h in hooks:
+        h.remove()
+    real = mask.bool().reshape(-1)
+    k = moe.config.num_experts_per_tok
+    for i, z in enumerate(logits):
+        p = z.double()[real].softmax(-1)
+        E = p.shape[-1]
+        chosen = p.topk(k, -1).indices
+        f = torch.bincount(chosen.reshape(-1), minlength=E).double() / chosen.numel()
+        assert got[f"router/load_max_over_mean_{i}"] == pytest.approx(float(f.max() * E),
+                                                                     rel=1e-6)
+        assert got[f"router/entropy_{i}"] == pytest.approx(
+            float(-(p * p.log()).sum(-1).mean()), rel=1e-5)
+        assert got[f"router/aux_loss_{i}"] == pytest.approx(
+            float(E * (f * p.mean(0)).sum()), rel=1e-5)
+
+
+def test_a_replay_of_an_unrecorded_token_is_refused(moe):
+    ids, mask = batch()
+    with Routing(moe, 3, 7) as routing, pytest.raises(RuntimeError, match="never recorded"), \
+            routing.call(torch.arange(3), mask, "replay"):
+        forward(moe, ids, mask)
+
+
+def test_a_dense_model_has_no_router():
+    from transformers import LlamaConfig
+
+    dense = AutoModelForCausalLM.from_config(LlamaConfig(**{
+        k: v for k, v in COMMON.items()}))
+    with pytest.raises(ValueError, match="no mixture-of-experts router"):
+        Routing(dense, 1, 1)
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    from posttrain.builtin.tokenizer import build_tokenizer
+
+    torch.manual_seed(0)
+    cfg = MixtralConfig(**{**COMMON, "vocab_size": 259, "bos_token_id": 1, "eos_token_id": 2,
+                           "num_local_experts": 6, "num_experts_per_tok": 2})
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for r in routers(model):
+            r.weight.normal_(0, 1.0)
+    path = tmp_path_factory.mktemp("mixtral")
+    model.save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("replay", ["r2", "none"])
+def test_grpo_on_a_moe_policy_logs_its_routing(moe_dir, tmp_path, replay):
+    """GRPO with two epochs on a Mixtral policy: r2 replays the old pass's experts in the
+    update, none compares with them; both log router/* each step. With r2 the gradient
+    still reaches the routers (their weights move)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from posttrain.config import RLConfig
+    from posttrain.trainers.online import run_rl
+
+    reward = tmp_path / "r.py"
+    reward.write_text("def by_len(prompts, completions, **_):\n"
+                      "    return [float(len(c)) for c in completions]\n")
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}="}) + "\n" for i in range(8)))
+    cfg = RLConfig(model=moe_dir, output_dir=str(tmp_path / "run"), max_steps=2,
+                   prompts_per_step=2, data=str(data), reward=f"{reward}:by_len",
+                   group_size=4, minibatch_size=4, ppo_epochs=2, max_new_tokens=4,
+                   builtin_train_size=16, builtin_eval_size=0, device="cpu",
+                   tensorboard=False, temperature=1.5, routing_replay=replay, lr=1e-2,
+                   log_every=1)
+    cfg.validate()
+    run_rl(cfg)
+    rows = [json.loads(x) for x in
+            (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward/mean" in r]
+    for r in steps:
+        assert 0 <= r["router/disagreement"] <= 1
+        assert r["router/load_max_over_mean"] >= 1 and r["router/entropy"] > 0
+        assert "router/aux_loss_0" in r and "router/disagreement_1" in r
+    # after the first optimizer step of a step the routers have moved: some tokens' experts
+    # differ from the old pass's (measured, whether replayed or not)
+    assert max(r["router/disagreement"] for r in steps) > 0
+    start = load_file(f"{moe_dir}/model.safetensors")
+    end = load_file(str(tmp_path / "run" / "final" / "model.safetensors"))
+    gate = next(k for k in start if k.endswith("gate.weight"))
+    assert not torch.equal(start[gate], end[gate])
+
+
+def test_routing_replay_config_errors(tmp_path, tiny_model_dir):
+    from posttrain.config import ConfigError, RLConfig
+    from posttrain.trainers.online import RLTrainer
+
+    with pytest.raises(ConfigError, match=r"r3 .* not available yet"):
+        RLConfig(output_dir=str(tmp_path), routing_replay="r3").validate()
+    cfg = RLConfig(model=tiny_model_dir, output_dir=str(tmp_path), routing_replay="r2",
+                   device="cpu", tensorboard=False)
+    cfg.validate()
+    with pytest.raises(ConfigError, match="needs a mixture-of-experts policy"):
+        RLTrainer(cfg)
