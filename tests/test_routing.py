@@ -16,6 +16,7 @@ from transformers import (
 )
 
 from posttrain.models.routing import Routing, routers
+from posttrain.rollout import SamplingParams
 
 COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
               num_attention_heads=2, num_key_value_heads=2, head_dim=16,
@@ -145,11 +146,13 @@ def test_router_metrics_against_a_direct_count(moe):
             float(E * (f * p.mean(0)).sum()), rel=1e-5)
 
 
-def test_a_replay_of_an_unrecorded_token_is_refused(moe):
+def test_tokens_never_recorded_route_freely_and_are_not_counted(moe):
     ids, mask = batch()
-    with Routing(moe, 3, 7) as routing, pytest.raises(RuntimeError, match="never recorded"), \
-            routing.call(torch.arange(3), mask, "replay"):
-        forward(moe, ids, mask)
+    with torch.no_grad(), Routing(moe, 3, 7) as routing:
+        plain = forward(moe, ids, mask)
+        with routing.call(torch.arange(3), mask, "replay"):
+            replayed = forward(moe, ids, mask)
+        assert torch.equal(plain, replayed) and sum(routing.counted) == 0
 
 
 def test_a_dense_model_has_no_router():
@@ -178,11 +181,12 @@ def moe_dir(tmp_path_factory):
     return str(path)
 
 
-@pytest.mark.parametrize("replay", ["r2", "none"])
+@pytest.mark.parametrize("replay", ["r3", "r2", "none"])
 def test_grpo_on_a_moe_policy_logs_its_routing(moe_dir, tmp_path, replay):
-    """GRPO with two epochs on a Mixtral policy: r2 replays the old pass's experts in the
-    update, none compares with them; both log router/* each step. With r2 the gradient
-    still reaches the routers (their weights move)."""
+    """GRPO with two epochs on a Mixtral policy: r3 replays the experts the hf engine chose
+    while sampling (old pass and update), r2 the old pass's in the update, none compares
+    with the old pass's; all log router/* each step. The gradient still reaches the
+    routers (their weights move)."""
     import json
 
     from safetensors.torch import load_file
@@ -223,10 +227,56 @@ def test_routing_replay_config_errors(tmp_path, tiny_model_dir):
     from posttrain.config import ConfigError, RLConfig
     from posttrain.trainers.online import RLTrainer
 
-    with pytest.raises(ConfigError, match=r"r3 .* not available yet"):
-        RLConfig(output_dir=str(tmp_path), routing_replay="r3").validate()
+    with pytest.raises(ConfigError, match="vllm engine does not return"):
+        RLConfig(output_dir=str(tmp_path), routing_replay="r3",
+                 rollout_backend="vllm").validate()
+    with pytest.raises(ConfigError, match="not available for episodes"):
+        RLConfig(output_dir=str(tmp_path), routing_replay="r3", env="builtin").validate()
     cfg = RLConfig(model=tiny_model_dir, output_dir=str(tmp_path), routing_replay="r2",
                    device="cpu", tensorboard=False)
     cfg.validate()
     with pytest.raises(ConfigError, match="needs a mixture-of-experts policy"):
         RLTrainer(cfg)
+
+
+def test_the_hf_engine_records_the_experts_it_sampled_with(moe_dir):
+    """R3's recording: every token the hf engine fed (prompt and completion, the last
+    sampled token excepted) has the experts a plain forward of the whole sequence chooses
+    at it (the same weights: the routing agrees wherever the router's top-k is not a
+    float tie), in sequence positions."""
+    from posttrain.models import load_causal_lm, load_tokenizer
+    from posttrain.rollout import make_engine
+
+    model = load_causal_lm(moe_dir, device="cpu").eval()
+    tok = load_tokenizer(moe_dir)
+    engine = make_engine("hf", model, tok)
+    from posttrain.rollout import Request
+
+    ro = engine.generate([Request((5, 6, 7, 8), 1), Request((9, 10), 2)], 2,
+                         SamplingParams(max_new_tokens=5, temperature=1.5),
+                         extras=frozenset({"routing"}))
+    assert ro.routing is not None and ro.routing.shape[:2] == (4, 2)
+    seqs, _ = ro.sequences()
+    k = model.config.num_experts_per_tok
+    checked = total = 0
+    for i, seq in enumerate(seqs):
+        logits = []
+        hooks = [r.register_forward_hook(lambda m, a, o, got=logits: got.append(o[0]))
+                 for r in routers(model)]
+        plain = Routing(model, 1, len(seq))
+        with torch.no_grad(), plain.call(torch.tensor([0]), torch.ones(1, len(seq)), "record"):
+            model(input_ids=torch.tensor([seq]))
+        plain.close()
+        for h in hooks:
+            h.remove()
+        fed = len(seq) - 1  # the last sampled token is never fed
+        assert (ro.routing[i, :, fed:] == -1).all()
+        got = ro.routing[i, :, :fed].sort(-1).values
+        want = plain.indices[:, 0, :fed].sort(-1).values
+        # where the k-th and (k+1)-th experts' probabilities are apart by far more than
+        # float32 rounding of the two forwards can move them, the experts must agree
+        p = torch.stack(logits).double().softmax(-1)[:, :fed].sort(-1, descending=True).values
+        decisive = (p[..., k - 1] - p[..., k]) > 1e-3
+        assert torch.equal(got[decisive], want[decisive])
+        checked, total = checked + int(decisive.sum()), total + decisive.numel()
+    assert checked >= 0.8 * total  # the check is not vacuous

@@ -145,11 +145,12 @@ class RLConfig(RunConfig):
     """Upper bound: the truncation cap, or the masks' upper bound; none = the mode's
     default."""
     routing_replay: str = "none"
-    """Mixture-of-experts policies: r2 records each token's experts in the old-policy pass
-    and the update routes through them (the gate's weights from the current router); none
-    routes freely. Either way the step logs router/* (load, entropy, auxiliary loss, and
-    the share of tokens whose experts moved since the old-policy pass). r3 (recorded while
-    sampling) is not available yet."""
+    """Mixture-of-experts policies: r3 records each token's experts while sampling (the hf
+    engine) and the old-policy and update passes route through them; r2 records them in
+    the old-policy pass and the update routes through them (the gate's weights always from
+    the current router); none routes freely. Either way the step logs router/* (load,
+    entropy, auxiliary loss, and the share of tokens whose experts differ from the
+    recorded ones)."""
     sync_guard: bool = True
     """After each weight sync of an engine with weights of its own (vllm), score a small
     probe and stop the run when the engine's log-probs differ from the trainer's beyond
@@ -199,8 +200,11 @@ class RLConfig(RunConfig):
         check(self.routing_replay in ("none", "r2", "r3"),
               "routing_replay must be none, r2 or r3")
         if self.routing_replay == "r3":
-            raise ConfigError("routing_replay=r3 (experts recorded while sampling) is not "
-                              "available yet; r2 records them in the old-policy pass")
+            check(self.rollout_backend != "vllm", "routing_replay=r3 reads the experts the "
+                  "engine recorded while sampling, which the vllm engine does not return to "
+                  "posttrain yet; use rollout_backend hf, or routing_replay r2")
+            check(not self.episodic, "routing_replay=r3 is not available for episodes yet "
+                  "(r2 is)")
         check(self.routing_replay == "none" or self.parallel != "fsdp",
               "routing_replay=r2 is not available with parallel=fsdp yet")
         if self.data is not None and not self.reward and not self.env:

@@ -14,7 +14,8 @@ recording made in one pass (all rows at once) replays in another (micro-batches 
 - ``record``: each router's chosen experts are stored.
 - ``compare``: the router routes as it will, and the tokens whose expert set differs from
   the stored one are counted (what replay would have changed).
-- ``replay``: each router routes through the stored experts; the gate's weights still come
+- ``replay``: each router routes through the stored experts (a token with none stored
+  routes as the router chooses); the gate's weights still come
   from the current router's probabilities over them, normalised as the family normalises
   its top-k (so the router keeps learning, and a replay of the routing it would have chosen
   is exactly the plain forward). The share of real tokens whose expert set differs from
@@ -102,12 +103,13 @@ class Routing:
             if mode not in ("replay", "compare"):
                 return None
             want = self.indices[i, rows, :T, :k].reshape(-1, k)
-            if bool((want[real] < 0).any()):
-                raise RuntimeError("routing replay: a token that was never recorded")
-            want = torch.where(real[:, None], want, idx)  # padding: its own routing
+            # padding, and a token never recorded (a sample's last, never fed while
+            # sampling): the router's own routing
+            held = real & (want >= 0).all(-1)
+            want = torch.where(held[:, None], want, idx)
             same = (want.sort(-1).values == idx.sort(-1).values).all(-1)
-            self.differ[i] += float((~same & real).sum())
-            self.counted[i] += float(real.sum())
+            self.differ[i] += float((~same & held).sum())
+            self.counted[i] += float(held.sum())
             if mode == "compare":  # counted only: the router's own routing goes on
                 return None
             return logits, replay_scores(module, logits, want, scores.dtype), want
@@ -126,6 +128,18 @@ class Routing:
                                ("entropy_sum", -(probs * probs.clamp_min(1e-30).log())
                                 .sum(-1).sum()), ("tokens", torch.tensor(float(len(probs))))):
                 s[key] = s.get(key, 0) + value
+
+    def load(self, recorded: torch.Tensor) -> None:
+        """Take a rollout's recording (``(rows, routers, positions, k)``, -1 where none, as
+        :class:`RolloutRecorder` makes it) as this one's."""
+        rows, L, W, k = recorded.shape
+        if rows != self.indices.shape[1] or self.indices.shape[0] != L:
+            raise ValueError(f"routing: a recording of {rows} rows × {L} routers for "
+                             f"{self.indices.shape[1]} × {self.indices.shape[0]}")
+        W = min(W, self.indices.shape[2])
+        self.indices[:, :, :W, :k] = recorded[:, :, :W].permute(1, 0, 2, 3).to(
+            self.indices.device)
+        self.recorded[:] = True
 
     def has(self, rows: torch.Tensor) -> bool:
         """Whether every one of ``rows`` was recorded."""
@@ -186,3 +200,59 @@ class Routing:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class RolloutRecorder:
+    """The experts each sampled sequence's tokens went to while an in-process engine decoded
+    it (R3): hooks on the sampler's routers, told before each forward which rows and
+    sequence positions its tokens are (:meth:`prefill`, :meth:`step`). :meth:`result` is
+    ``(N, routers, positions, k)`` in sequence positions (the prompt from 0), -1 where a
+    token was never fed (a sample's last token)."""
+
+    def __init__(self, model, prompt_lens: list[int], n: int, width: int):
+        self.routers = routers(model)
+        k = max(r.top_k for r in self.routers)
+        device = next(model.parameters()).device
+        self.lens = torch.tensor(prompt_lens, device=device).repeat_interleave(n)
+        self.n = n
+        self.out = torch.full((len(self.lens), len(self.routers), width, k), -1,
+                              dtype=torch.long, device=device)
+        self._where: tuple | None = None
+        self._hooks = [r.register_forward_hook(self._hook(i))
+                       for i, r in enumerate(self.routers)]
+
+    def prefill(self, Lp: int) -> None:
+        """The next forward is the prefill of the prompts, left-padded to ``Lp``."""
+        self._where = ("prefill", Lp)
+
+    def step(self, rows: torch.Tensor, t: int) -> None:
+        """The next forward feeds completion token ``t`` of the samples ``rows``."""
+        self._where = ("step", rows, t)
+
+    def _hook(self, i: int):
+        def hook(module, args, output):
+            if self._where is None:
+                return None
+            idx = output[2]
+            k = idx.shape[1]
+            if self._where[0] == "prefill":
+                Lp = self._where[1]
+                P = len(self.lens) // self.n
+                per = idx.view(P, Lp, k)
+                for p in range(P):
+                    L = int(self.lens[p * self.n])
+                    self.out[p * self.n:(p + 1) * self.n, i, :L, :k] = per[p, Lp - L:]
+            else:
+                _, rows, t = self._where
+                self.out[rows, i, self.lens[rows] + t, :k] = idx
+            return None
+        return hook
+
+    def result(self) -> torch.Tensor:
+        self.close()
+        return self.out.cpu()
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

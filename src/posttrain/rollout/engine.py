@@ -353,6 +353,14 @@ class DecodingEngine(RolloutEngine):
         was_training = model.training
         model.eval()
         past = self._past(prompt_ids) if self._reuse else None
+        recorder = None  # R3: the experts of every token fed (mixture-of-experts samplers)
+        if "routing" in extras and past is None:
+            from posttrain.models import routing
+
+            if routing.is_moe(model):
+                recorder = routing.RolloutRecorder(model, [len(p) for p in prompt_ids], n,
+                                                   Lp + T)
+                recorder.prefill(Lp)
         cache, logits, mask, next_pos = _prefill(model, prompt_ids, n, pad_id, device, past)
         Lp = mask.shape[1]  # the cache's columns before decoding (with a reused past)
         extras = extras & self.extras
@@ -409,6 +417,8 @@ class DecodingEngine(RolloutEngine):
                 live = torch.arange(N, device=device) if active is None else active
                 keep(torch.arange(len(live), device=device), live, t)
                 break
+            if recorder is not None:
+                recorder.step(torch.arange(N, device=device) if active is None else active, t)
             logits = decoder.step(tok)
         model.train(was_training)
         if self._reuse:  # (what no call extended stays until reusing_prefixes() ends)
@@ -421,6 +431,8 @@ class DecodingEngine(RolloutEngine):
             head = _head_stats(head[:, :, :steps], end.clamp_max(steps - 1))
         rollout = self._finish(prompt_ids, n, tokens[:, :steps], logps[:, :steps], done, end,
                                params.stop)
+        if recorder is not None:
+            rollout.routing = recorder.result()
         if activations is not None or head is not None:  # the one door to the update
             from posttrain.fast.cache import SamplerCache, policy_version
 

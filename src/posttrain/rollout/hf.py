@@ -46,7 +46,7 @@ class HFEngine(DecodingEngine):
     """Decode with the model's own forward (any model)."""
 
     name = "hf"
-    extras = frozenset({"head_stats"})
+    extras = frozenset({"head_stats", "routing"})
 
     def decoder(self, cache, n, max_len, mask, pos, capture):
         return HFDecoder(self.model, cache, n, mask, pos)

@@ -88,6 +88,10 @@ class Rollout:
     """(N, Tc) 1 on the tokens the policy sampled and the loss trains, where that differs
     from ``completion_mask``: an episode's completion holds the environment's messages too
     (``posttrain.episodes``); None: every completion token was sampled."""
+    routing: torch.Tensor | None = None
+    """(N, routers, positions, k) the experts each token of a sample's sequence (prompt
+    from position 0, then the completion) went to while sampling, -1 where none was
+    recorded (mixture-of-experts samplers asked for ``routing``; R3)."""
     stats: dict[str, torch.Tensor] | None = None
     """Per-sample numbers ``(N,)`` the step's metrics average (an episode's turns, its
     environment's seconds and counters); None for none."""
@@ -126,6 +130,7 @@ def select(r: Rollout, rows: torch.Tensor) -> Rollout:
                    texts=[r.texts[i] for i in idx], policy_version=r.policy_version,
                    loss_mask=None if r.loss_mask is None else r.loss_mask[rows],
                    stats=None if r.stats is None else {k: v[rows] for k, v in r.stats.items()},
+                   routing=None if r.routing is None else r.routing[rows],
                    cache=None if r.cache is None else r.cache.rows(rows))
 
 def concat(rollouts: list[Rollout], pad_id: int, width: int = 0) -> Rollout:
@@ -153,7 +158,18 @@ def concat(rollouts: list[Rollout], pad_id: int, width: int = 0) -> Rollout:
         loss_mask=(None if all(r.loss_mask is None for r in rollouts) else
                    torch.cat([pad(r.trained_mask, 0) for r in rollouts])),
         stats=_concat_stats(rollouts),
+        routing=_concat_routing([r.routing for r in rollouts]),
         cache=_concat_caches([r.cache for r in rollouts], T))
+
+
+def _concat_routing(parts: list) -> torch.Tensor | None:
+    """The rounds' recorded routing, padded with -1 to the widest; None unless every round
+    has one."""
+    if not parts or any(p is None for p in parts):
+        return None
+    W = max(p.shape[2] for p in parts)
+    return torch.cat([torch.nn.functional.pad(p, (0, 0, 0, W - p.shape[2]), value=-1)
+                      for p in parts])
 
 
 def _concat_stats(rollouts: list[Rollout]) -> dict[str, torch.Tensor] | None:

@@ -90,6 +90,9 @@ class RLTrainer(Job):
         self.moe = routing.is_moe(self.policy)
         """A mixture-of-experts policy: its passes run whole sequences (the layout routing is
         recorded and replayed in) unless share_prompt is set, and the step logs router/*."""
+        if cfg.routing_replay == "r3" and self.moe and cfg.rollout_backend == "lean":
+            raise ConfigError("routing_replay=r3: the lean engine runs no mixture-of-experts "
+                              "model; use rollout_backend hf")
         if cfg.routing_replay != "none" and not self.moe:
             raise ConfigError(f"routing_replay={cfg.routing_replay} needs a mixture-of-experts "
                               f"policy; {type(self.policy).__name__} has no router")
@@ -136,7 +139,13 @@ class RLTrainer(Job):
                                       sharded=self.sharded)
         self.packed = False
         """Whether the last batch's shared-prompt passes were packed into one call."""
-        self.experience.extras = self.reuse.extras(self.packed)
+        self.experience.extras = self._extras()
+
+    def _extras(self) -> frozenset[str]:
+        """What the next rollouts keep: the speed-ups' (:mod:`posttrain.fast.eligibility`)
+        and, for R3, the routing."""
+        extra = {"routing"} if self.cfg.routing_replay == "r3" else set()
+        return self.reuse.extras(self.packed) | extra
 
     def _optimizers(self) -> list[Optim]:
         """The policy's AdamW (its steps move the policy version the sampler cache checks)
@@ -244,6 +253,11 @@ class RLTrainer(Job):
         if self.moe and tokens is not None and not tokens.share:
             routed = tokens.routing = routing.Routing(self.policy, len(tokens),
                                                       tokens.full["input_ids"].shape[1])
+            if cfg.routing_replay == "r3":  # the experts the engine recorded while sampling
+                if exp.local.routing is None:
+                    raise RuntimeError(f"routing_replay=r3: the {self.engine.name} engine "
+                                       "recorded no routing")
+                routed.load(exp.local.routing)
         valid = exp.valid.to(self.device)
         mask = exp.rollout.trained_mask.to(self.device).float() * valid[:, None]
         # 2. passes: old log-probs, reference log-probs, old values
@@ -262,8 +276,8 @@ class RLTrainer(Job):
         x = UpdateInputs(mask, adv, old, ref, old_values, returns, live, self._local_of(exp),
                          recorded, exp.rollout.logprobs.to(self.device), self.correction)
         critic_opt = self.optimizers[1] if self.critic is not None else None
-        if routed is not None:  # r2: through the old pass's experts; else compare with them
-            tokens.routing_mode = ("replay" if cfg.routing_replay == "r2" else
+        if routed is not None:  # r2, r3: through the recorded experts; else compare with them
+            tokens.routing_mode = ("replay" if cfg.routing_replay != "none" else
                                    "compare" if old is not None else "observe")
         sums, n_steps, n_critic = run_updates(
             self.policy, self.critic, algo, tokens, x,
@@ -319,7 +333,7 @@ class RLTrainer(Job):
             if self.guard is not None and n_steps:
                 checked = self.guard.check(self.policy, step)
         self.packed = bool(self.share_prompt and tokens is not None and tokens.packed)
-        self.experience.extras = self.reuse.extras(self.packed)
+        self.experience.extras = self._extras()
         return checked
 
     def _passes(self, algo, tokens: TokenBatch | None, own: torch.Tensor, mask: torch.Tensor):
@@ -346,8 +360,8 @@ class RLTrainer(Job):
             return dist.assemble(local.float(), own, len(mask))
 
         with torch.no_grad():
-            if tokens is not None and tokens.routing is not None:
-                tokens.routing_mode = "record"
+            if tokens is not None and tokens.routing is not None:  # r3 replays the rollout's
+                tokens.routing_mode = "replay" if cfg.routing_replay == "r3" else "record"
             old = (whole(self.policy, lambda m, r: tokens.logprobs(m, r, reuse=True))
                    if several_updates or algo.reward_kl_coef != 0 else None)
             if tokens is not None:
@@ -427,7 +441,7 @@ class RLTrainer(Job):
         # what the next rollouts keep follows the last batch's layout, as it would have in
         # the run that was not interrupted
         self.packed = bool(meta["packed"])
-        self.experience.extras = self.reuse.extras(self.packed)
+        self.experience.extras = self._extras()
 
     def close(self) -> None:
         self.engine.close()
