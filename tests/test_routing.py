@@ -280,3 +280,54 @@ def test_the_hf_engine_records_the_experts_it_sampled_with(moe_dir):
         assert torch.equal(got[decisive], want[decisive])
         checked, total = checked + int(decisive.sum()), total + decisive.numel()
     assert checked >= 0.8 * total  # the check is not vacuous
+
+
+def test_the_auxiliary_loss_is_the_familys_own(moe):
+    """Routing.aux_loss is the family's load-balancing loss over the real tokens of the last
+    call (what the model computes itself with output_router_logits), and it has a gradient
+    to the routers."""
+    import sys
+
+    ids, mask = batch()
+    with Routing(moe, 3, 7) as routing:
+        routing.collect_logits = True
+        with routing.call(torch.arange(3), mask, "observe"):
+            out = moe(input_ids=ids, attention_mask=mask, output_router_logits=True)
+        got = routing.aux_loss()
+    fn = sys.modules[type(moe).__module__].load_balancing_loss_func
+    want = fn(out.router_logits, len(routers(moe)[0].weight), routers(moe)[0].top_k, mask)
+    assert torch.allclose(got, want, rtol=1e-6)
+    got.backward()
+    assert routers(moe)[0].weight.grad.abs().sum() > 0
+
+
+def test_the_auxiliary_loss_switch_trains_the_routers_toward_balance(moe_dir, tmp_path):
+    """--router_aux_loss_coef: the update adds the family's auxiliary loss (logged as
+    train/router_aux_loss), so the routers' weights end elsewhere than without it."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from posttrain.config import RLConfig
+    from posttrain.trainers.online import run_rl
+
+    reward = tmp_path / "r.py"
+    reward.write_text("def by_len(prompts, completions, **_):\n"
+                      "    return [float(len(c)) for c in completions]\n")
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}="}) + "\n" for i in range(8)))
+    gates = []
+    for coef in (0.0, 1.0):
+        out = tmp_path / f"run{coef}"
+        cfg = RLConfig(model=moe_dir, output_dir=str(out), max_steps=2, prompts_per_step=2,
+                       data=str(data), reward=f"{reward}:by_len", group_size=4,
+                       max_new_tokens=4, device="cpu", tensorboard=False, temperature=1.5,
+                       lr=1e-2, log_every=1, router_aux_loss_coef=coef, eval_every=0)
+        cfg.validate()
+        run_rl(cfg)
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        trained = [r for r in rows if "train/loss" in r]
+        assert trained and all(("train/router_aux_loss" in r) == (coef > 0) for r in trained)
+        w = load_file(str(out / "final" / "model.safetensors"))
+        gates.append(w[next(k for k in w if k.endswith("gate.weight"))])
+    assert not torch.equal(gates[0], gates[1])

@@ -65,6 +65,10 @@ class Routing:
         self.indices = torch.full((len(self.routers), rows, width, k), -1, dtype=torch.long,
                                   device=next(model.parameters()).device)
         self._call: tuple | None = None  # (rows, mask, mode)
+        self.collect_logits = False
+        """Keep each call's router logits (with their graph) for :meth:`aux_loss`."""
+        self._logits: list[torch.Tensor] = []
+        self._mask: torch.Tensor | None = None
         self.recorded = torch.zeros(rows, dtype=torch.bool, device=self.indices.device)
         self.differ = [0.0] * len(self.routers)  # per router: replayed real tokens that
         self.counted = [0.0] * len(self.routers)  # the router would have sent elsewhere
@@ -79,6 +83,7 @@ class Routing:
         if mode not in ("record", "replay", "compare", "observe"):
             raise ValueError(f"routing mode {mode!r}")
         self._call = (rows, mask.bool(), mode)
+        self._logits, self._mask = [], None  # (what aux_loss reads: this call's)
         try:
             yield self
         finally:
@@ -96,6 +101,9 @@ class Routing:
                                    f"{B}×{T} of its rows")
             k = idx.shape[1]
             real = mask.reshape(-1)
+            if self.collect_logits:
+                self._logits.append(logits)
+                self._mask = mask
             if mode == "record":
                 self.indices[i, rows, :T, :k] = idx.view(B, T, k)
                 self.recorded[rows] = True
@@ -128,6 +136,22 @@ class Routing:
                                ("entropy_sum", -(probs * probs.clamp_min(1e-30).log())
                                 .sum(-1).sum()), ("tokens", torch.tensor(float(len(probs))))):
                 s[key] = s.get(key, 0) + value
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """The auxiliary load-balancing loss of the last forward, as the model's family
+        defines it (its ``load_balancing_loss_func`` over every router's logits, the real
+        tokens only), differentiable; None without collected logits. Clears them."""
+        import sys
+
+        logits, mask = self._logits, self._mask
+        self._logits, self._mask = [], None
+        if not logits:
+            return None
+        router = self.routers[0]
+        fn = getattr(sys.modules[type(router).__module__], "load_balancing_loss_func", None)
+        if fn is None:
+            raise ValueError(f"{type(router).__name__}'s family defines no auxiliary loss")
+        return fn(tuple(logits), logits[0].shape[-1], router.top_k, mask.long())
 
     def load(self, recorded: torch.Tensor) -> None:
         """Take a rollout's recording (``(rows, routers, positions, k)``, -1 where none, as

@@ -136,6 +136,11 @@ class TokenBatch:
             mode = "observe"
         return self.routing.call(rows, self.full["attention_mask"][rows], mode)
 
+    def router_aux_loss(self):
+        """The last forward's auxiliary load-balancing loss (MoE, whole sequences), or
+        None."""
+        return None if self.routing is None else self.routing.aux_loss()
+
     def release_sampler_cache(self) -> None:
         """Drop the sampler's cache (the policy has moved; a rank whose rows of a minibatch
         were all dead never made the releasing call)."""

@@ -98,6 +98,14 @@ class RLTrainer(Job):
                               f"policy; {type(self.policy).__name__} has no router")
         self.share_prompt = (False if self.moe and cfg.share_prompt is None else
                              decide_share_prompt(cfg.share_prompt, self.policy, cfg.group_size))
+        aux = cfg.router_aux_loss_coef
+        if aux is None:  # as the model's config defines its training loss
+            c = self.policy.config
+            aux = (float(getattr(c, "router_aux_loss_coef", 0.0) or 0.0)
+                   if self.moe and getattr(c, "output_router_logits", False) else 0.0)
+        if aux and not self.moe:
+            raise ConfigError(f"router_aux_loss_coef={aux} needs a mixture-of-experts policy")
+        self.router_aux_coef = aux
         if cfg.routing_replay != "none" and self.share_prompt:
             raise ConfigError("routing_replay needs share_prompt=false (routing is recorded "
                               "and replayed over whole sequences)")
@@ -274,11 +282,13 @@ class RLTrainer(Job):
         recorded = None if old is not None else (torch.zeros_like(mask),
                                                  torch.zeros_like(valid))
         x = UpdateInputs(mask, adv, old, ref, old_values, returns, live, self._local_of(exp),
-                         recorded, exp.rollout.logprobs.to(self.device), self.correction)
+                         recorded, exp.rollout.logprobs.to(self.device), self.correction,
+                         self.router_aux_coef if routed is not None else 0.0)
         critic_opt = self.optimizers[1] if self.critic is not None else None
         if routed is not None:  # r2, r3: through the recorded experts; else compare with them
             tokens.routing_mode = ("replay" if cfg.routing_replay != "none" else
                                    "compare" if old is not None else "observe")
+            routed.collect_logits = bool(self.router_aux_coef)  # (the update's forwards)
         sums, n_steps, n_critic = run_updates(
             self.policy, self.critic, algo, tokens, x,
             self.optimizers[0] if train_policy else None, critic_opt, cfg, self.gen)

@@ -41,6 +41,8 @@ class UpdateInputs:
     """``(N, Lc)`` the engine's log-probs of the sampled tokens (the behaviour policy)."""
     correction: Correction | None = None
     """Mismatch correction by π_old / π_behaviour (None: off, and no metrics)."""
+    aux_coef: float = 0.0
+    """The weight of a mixture-of-experts policy's auxiliary load-balancing loss (0: off)."""
 
 
 def _own_live_rows(idx: torch.Tensor, live: torch.Tensor, local_of: torch.Tensor
@@ -68,7 +70,8 @@ def accumulate_policy_gradient(policy, algo: Algorithm, tokens: TokenBatch, mask
                                local_of: torch.Tensor, micro_batch_size: int,
                                max_new_tokens: int, recorded: tuple | None = None,
                                behaviour: torch.Tensor | None = None,
-                               correction: Correction | None = None) -> dict[str, float]:
+                               correction: Correction | None = None,
+                               aux_coef: float = 0.0) -> dict[str, float]:
     """Backward this rank's share of the loss of the minibatch ``idx`` in micro-batches,
     each aggregated with the normaliser of the whole minibatch (so the summed gradient
     depends neither on ``micro_batch_size`` nor on the number of ranks). ``mask``, ``adv``,
@@ -95,10 +98,14 @@ def accumulate_policy_gradient(policy, algo: Algorithm, tokens: TokenBatch, mask
             None if behaviour is None else behaviour[mb]), correction)
         loss = aggregate_loss(loss_tok, mask[mb], algo.aggregation, norm,
                               constant=algo.loss_constant(max_new_tokens))
+        weight = float(mask[mb].sum()) / n_tokens  # the micro-batch's share of the tokens
+        aux = tokens.router_aux_loss() if aux_coef else None
+        if aux is not None:  # MoE: the load-balancing term, token-weighted over micro-batches
+            loss = loss + aux_coef * weight * aux
+            m["router_aux_loss"] = aux.detach()
         loss.backward()
         sums["loss"] += float(loss.detach())
         m["entropy"] = masked_mean(ent, mask[mb])
-        weight = float(mask[mb].sum()) / n_tokens  # the micro-batch's share of the tokens
         sums = combine([sums, {k: float(v) if k.endswith(EXTREMES) else float(v) * weight
                                for k, v in m.items()}])
     return sums
@@ -175,7 +182,8 @@ def run_updates(policy, critic, algo: Algorithm, tokens: TokenBatch, x: UpdateIn
                 m.update(accumulate_policy_gradient(
                     policy, algo, tokens, x.mask, idx, x.advantages, x.old_logprobs,
                     x.ref_logprobs, live, x.local_of, cfg.micro_batch_size,
-                    _token_budget(cfg), x.recorded, x.behaviour, x.correction))
+                    _token_budget(cfg), x.recorded, x.behaviour, x.correction,
+                    x.aux_coef))
                 norm["grad_norm"] = policy_opt.step()
                 n_steps += 1
                 if tokens is not None:  # the policy moved: the sampler's cache is stale
