@@ -5,7 +5,7 @@ each whole sequence on its own, to float32 rounding; and a few GRPO steps run.
 
 Each family brings its own special case: a sliding window shorter than the rows (Mistral,
 Gemma-2/3: a packed custom mask would let tokens see past it), a soft-capped head (Gemma-2/3),
-routed experts (Mixtral, Qwen2-MoE), and Qwen2's q/k/v biases.
+routed experts (Mixtral, Qwen2-MoE, Qwen3-MoE), and Qwen2's q/k/v biases.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from transformers import (
     MixtralConfig,
     Qwen2Config,
     Qwen2MoeConfig,
+    Qwen3MoeConfig,
 )
 
 from bounds import model_inner, model_stages, rel_bound
@@ -55,6 +56,8 @@ FAMILIES = {
     "qwen2_moe": (Qwen2MoeConfig, dict(num_experts=4, num_experts_per_tok=2,
                                        moe_intermediate_size=32,
                                        shared_expert_intermediate_size=32)),
+    "qwen3_moe": (Qwen3MoeConfig, dict(num_experts=4, num_experts_per_tok=2,
+                                       moe_intermediate_size=32, norm_topk_prob=True)),
 }
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12]]
 COMPLETIONS = [[20, 21, 22, 23, 24, 25], [26, 27], [30, 31, 32, 33], [34, 35, 36, 37, 38]]
