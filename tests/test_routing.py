@@ -8,27 +8,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    MixtralConfig,
-    Qwen2MoeConfig,
-    Qwen3MoeConfig,
-)
+from transformers import AutoModelForCausalLM, MixtralConfig
 
+import test_families
 from posttrain.models.routing import Routing, routers
 from posttrain.rollout import SamplingParams
 
-COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-              num_attention_heads=2, num_key_value_heads=2, head_dim=16,
-              max_position_embeddings=64, pad_token_id=0, tie_word_embeddings=False)
-FAMILIES = {
-    "mixtral": (MixtralConfig, dict(num_local_experts=6, num_experts_per_tok=2)),
-    "qwen2_moe": (Qwen2MoeConfig, dict(num_experts=6, num_experts_per_tok=2,
-                                       moe_intermediate_size=24, norm_topk_prob=False,
-                                       shared_expert_intermediate_size=24)),
-    "qwen3_moe": (Qwen3MoeConfig, dict(num_experts=6, num_experts_per_tok=2,
-                                       moe_intermediate_size=24, norm_topk_prob=True)),
-}
+COMMON = test_families.COMMON
+EXPERTS = 6  # more than the families test's 4, so routing has room to move
+FAMILIES = {  # the families test's MoE configs; Qwen2-MoE with its top-k unnormalised
+    name: (cls, {**extra, "num_local_experts" if name == "mixtral" else "num_experts": EXPERTS,
+                 **({"norm_topk_prob": False} if name == "qwen2_moe" else {})})
+    for name, (cls, extra) in test_families.FAMILIES.items()
+    if name in ("mixtral", "qwen2_moe", "qwen3_moe")}
 
 
 @pytest.fixture(params=sorted(FAMILIES))
@@ -158,8 +150,7 @@ def test_tokens_never_recorded_route_freely_and_are_not_counted(moe):
 def test_a_dense_model_has_no_router():
     from transformers import LlamaConfig
 
-    dense = AutoModelForCausalLM.from_config(LlamaConfig(**{
-        k: v for k, v in COMMON.items()}))
+    dense = AutoModelForCausalLM.from_config(LlamaConfig(**COMMON))
     with pytest.raises(ValueError, match="no mixture-of-experts router"):
         Routing(dense, 1, 1)
 
@@ -169,8 +160,7 @@ def moe_dir(tmp_path_factory):
     from posttrain.builtin.tokenizer import build_tokenizer
 
     torch.manual_seed(0)
-    cfg = MixtralConfig(**{**COMMON, "vocab_size": 259, "bos_token_id": 1, "eos_token_id": 2,
-                           "num_local_experts": 6, "num_experts_per_tok": 2})
+    cfg = MixtralConfig(**{**COMMON, "num_local_experts": EXPERTS, "num_experts_per_tok": 2})
     model = AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():
         for r in routers(model):

@@ -18,6 +18,7 @@ past the timeout is an :class:`EnvError` naming the class, the row and the turn.
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import json
 import math
 import numbers
@@ -99,6 +100,13 @@ class Episode:
             self.env = _timed(lambda: spec.cls(row, **spec.kwargs), spec.timeout)
         except Exception as e:
             raise self._error(f"could not be made: {type(e).__name__}: {e}") from e
+
+    @classmethod
+    def of(cls, spec: EnvSpec, row: dict, number: int) -> Episode:
+        """An episode of the data ``row`` (its own deep copy, without the loader's ``_row``;
+        named by ``_row``, else ``number``)."""
+        data = copy.deepcopy({k: v for k, v in row.items() if k != "_row"})
+        return cls(spec, data, row.get("_row", number))
 
     def _error(self, what: str) -> EnvError:
         return EnvError(f"env {self.spec.name} on row {self.row}, turn {self.turn}: {what}")

@@ -18,7 +18,6 @@ single-turn rollout (a single turn is the one-turn episode).
 from __future__ import annotations
 
 import contextlib
-import copy
 import time
 from dataclasses import dataclass, field
 
@@ -46,18 +45,31 @@ class Episodes:
     """(N,) float64: the sum of each episode's turn rewards."""
     valid: torch.Tensor
     """(N,) False for an episode dropped on an environment error (``on_error="skip"``)."""
-    first: list[str]
-    """Each episode's first user message (the "prompt" reward functions receive)."""
     messages: list[list[dict]]
     """Each episode's conversation as messages (the first one included)."""
-    turns: torch.Tensor
-    """(N,) assistant turns taken."""
-    env_s: float = 0.0
-    """Seconds spent in the environments' reset and step calls."""
     errors: list[str] = field(default_factory=list)
     """One line per episode dropped on an error."""
-    answers: list[str] = field(default_factory=list)
-    """Each episode's last assistant turn."""
+
+    @property
+    def first(self) -> list[str]:
+        """Each episode's first user message (the "prompt" reward functions receive)."""
+        return [m[0]["content"] if m else "" for m in self.messages]
+
+    @property
+    def answers(self) -> list[str]:
+        """Each episode's last assistant turn."""
+        return [next((x["content"] for x in reversed(m) if x["role"] == "assistant"), "")
+                for m in self.messages]
+
+    @property
+    def turns(self) -> torch.Tensor:
+        """(N,) assistant turns taken."""
+        return self.rollout.stats["turns"].long()
+
+    @property
+    def env_s(self) -> float:
+        """Seconds spent in the environments' reset and step calls."""
+        return float(self.rollout.stats["env_s"].sum())
 
 
 @dataclass
@@ -92,10 +104,9 @@ def run_episodes(engine, tokenizer, spec: EnvSpec, rows: list[dict], n: int,
     live: list[_Live] = []
     for i, row in enumerate(rows):
         for _ in range(n):  # each episode its own copy of the row
-            data = copy.deepcopy({k: v for k, v in row.items() if k != "_row"})
             t0 = time.perf_counter()
             try:
-                ep = Episode(spec, data, row.get("_row", i + 1))
+                ep = Episode.of(spec, row, i + 1)
                 first = ep.reset()
             except EnvError as e:
                 if on_error != "skip":
@@ -217,8 +228,7 @@ def _collect(live: list[_Live], tokenizer, n: int, errors: list[str]) -> Episode
             present[k, :L] = 1
             loss[k, :L] = torch.tensor(e.mask)
             logps[k, :L] = torch.tensor(e.logps)
-    texts = tokenizer.batch_decode(ids * present + pad * (1 - present),
-                                   skip_special_tokens=True)
+    texts = tokenizer.batch_decode(ids, skip_special_tokens=True)  # (pad past each one)
     stats = {"turns": torch.tensor([float(e.turns) for e in live], dtype=torch.float64),
              "env_s": torch.tensor([e.env_s for e in live], dtype=torch.float64)}
     for key in sorted({k for e in live for k in _counters(e)}):
@@ -232,11 +242,7 @@ def _collect(live: list[_Live], tokenizer, n: int, errors: list[str]) -> Episode
                       policy_version=min((e.version for e in live), default=0))
     return Episodes(rollout, torch.tensor([e.ret for e in live], dtype=torch.float64),
                     torch.tensor([e.valid for e in live], dtype=torch.bool),
-                    [e.messages[0]["content"] if e.messages else "" for e in live],
-                    [e.messages for e in live], torch.tensor([e.turns for e in live]),
-                    float(stats["env_s"].sum()), errors,
-                    [next((m["content"] for m in reversed(e.messages)
-                           if m["role"] == "assistant"), "") for e in live])
+                    [e.messages for e in live], errors)
 
 
 def _counters(e: _Live) -> dict:

@@ -98,8 +98,7 @@ class ExperienceMaker:
             return self.prompt_ids(row)
         from posttrain.episodes import Episode
 
-        data = {k: v for k, v in row.items() if k != "_row"}
-        first = Episode(self.env, data, row.get("_row", 1)).reset()
+        first = Episode.of(self.env, row, 1).reset()
         return tuple(self.renderer.start([{"role": "user", "content": first}]))
 
     def next_rows(self, n: int) -> list[dict]:
