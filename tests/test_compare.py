@@ -1,7 +1,8 @@
 """``posttrain compare``: the upcycled mixture-of-experts start computes the dense model it
 came from, and a small study (two algorithms and the start, one seed, a small token budget,
-the MoE study included) writes its report, curves and results with every run inside its
-budget, and reports the scores of the models it trained."""
+the MoE arms included) writes its report, curves and results with every run inside its
+budget, and reports the scores of the models it trained; the MoE verdict says what the
+numbers show."""
 
 from __future__ import annotations
 
@@ -73,9 +74,13 @@ def test_a_small_study_writes_its_report(tmp_path, monkeypatch, capsys):
         assert tokens == sorted(set(tokens))
         assert run["curve"][-1][:2] == [run["tokens"], run["train_s"]]
         assert run["peak_rss_mib"] > 0
-    assert set(results["moe"]["runs"]) == {"grpo", "gspo"}
-    for text in ("| grpo |", "| dpo |", "sft (the start)", "GRPO against GSPO",
-                 "stability advantage", "curves.png"):
+    assert set(results["moe"]["runs"]) == {"grpo", "grpo+r3", "gspo", "gspo+r3"}
+    for arm, (run,) in results["moe"]["runs"].items():
+        assert 0 <= run["disagreement"] <= 1 and 0 <= run["routing_moved"] <= 1
+        assert run["gap_max"] >= run["gap_mean"] >= 0 and math.isfinite(run["accuracy"])
+        assert f"| {arm} | {run['accuracy']:.1%} ± 0.0% |" in report
+    for text in ("| grpo |", "| dpo |", "sft (the start)", "routing replay and GSPO",
+                 "GRPO + R3", "GSPO against GRPO", "curves.png"):
         assert text in report
     assert (out / "curves.png").stat().st_size > 0
 
@@ -84,3 +89,41 @@ def test_an_unknown_algorithm_is_one_line(tmp_path, capsys):
     assert main(["compare", "--algos", "grpo", "ppo2", "--output", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "unknown algorithm 'ppo2'" in err[0]
+
+
+def test_moe_alone_runs_only_the_moe_arms(monkeypatch, tmp_path, capsys):
+    import posttrain.compare as compare
+
+    got = {}
+    monkeypatch.setattr(compare, "run_compare", lambda *a, **kw: got.update(moe=a[5]) or
+                        tmp_path / "report.md")
+    for args, want in ((["--moe"], "only"), (["--moe", "false"], False), ([], True)):
+        assert main(["compare", *args, "--output", str(tmp_path)]) == 0
+        assert got["moe"] == want
+    capsys.readouterr()
+
+
+def _arm(accuracy: float, gap_max: float) -> dict:
+    return {"accuracy": accuracy, "gap_max": gap_max, "disagreement": 0.004,
+            "routing_moved": 0.1}
+
+
+def test_the_moe_verdict_reads_the_numbers():
+    """Each statement follows the table: the gap shrinks only when R3's worst gap is below
+    the plain arm's; accuracy is apart only beyond the seeds' spread; a run below the start
+    is named."""
+    from posttrain.compare.report import _moe_verdict
+
+    study = {"start": {"accuracy": 0.3}, "runs": {
+        "grpo": [_arm(0.90, 9.0), _arm(0.94, 1.0)],
+        "grpo+r3": [_arm(0.92, 0.2), _arm(0.93, 0.3)],
+        "gspo": [_arm(0.95, 0.1), _arm(0.95, 0.1)],
+        "gspo+r3": [_arm(0.20, 0.4), _arm(0.22, 0.5)]}}
+    text = "\n".join(_moe_verdict(study))
+    assert "GRPO + R3**: the worst step's trainer/sampler log-prob gap shrinks (0.250" in text
+    assert "GSPO + R3**: the worst step's trainer/sampler log-prob gap does not shrink" in text
+    grpo, gspo = (line for line in text.splitlines() if "+ R3**" in line)
+    assert "no accuracy effect shows" in grpo and "lower with R3 by more than twice" in gspo
+    assert "GSPO's advantage shows" in text  # higher and steadier than GRPO
+    assert "2 runs ended below the start (gspo+r3 seed 0, gspo+r3 seed 1)" in text
+    assert "0.40% of tokens" in text and "10.0%" in text

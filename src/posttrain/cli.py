@@ -4,7 +4,7 @@
     posttrain eval --model DIR [--task builtin | --data FILE --reward module:function]
     posttrain merge RUN/final --output DIR
     posttrain plot RUN_DIR... [--metrics KEY ...] [--output FILE.png]
-    posttrain compare [--algos ...] [--seeds 3] [--budget tokens|seconds] [--moe true|false]
+    posttrain compare [--algos ...] [--seeds 3] [--budget tokens|seconds] [--moe [only]]
     posttrain demo
 
 Training commands map a YAML file and ``--key value`` overrides onto the same typed config
@@ -132,8 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "seconds of training steps")
     cp.add_argument("--tokens", type=int, default=40_000)
     cp.add_argument("--seconds", type=float, default=20.0)
-    cp.add_argument("--moe", default="true", choices=["true", "false"],
-                    help="also GRPO against GSPO on a small mixture-of-experts policy")
+    cp.add_argument("--moe", nargs="?", const="only", default="true",
+                    choices=["true", "false", "only"],
+                    help="also GRPO and GSPO, with and without routing replay, on a small "
+                         "mixture-of-experts policy sampled in bfloat16; --moe alone: only "
+                         "that study")
     cp.add_argument("--moe_seeds", type=int, default=None, help="default: --seeds")
     cp.add_argument("--output", default="runs/compare")
     cp.add_argument("--device", default="cpu")
@@ -325,7 +328,8 @@ def _dispatch(parser, args, rest) -> int:
 
         _quiet_transformers()
         report = run_compare(args.algos, args.seeds, args.budget, args.tokens, args.seconds,
-                             args.moe == "true", args.output, args.device, args.moe_seeds,
+                             {"true": True, "false": False}.get(args.moe, args.moe),
+                             args.output, args.device, args.moe_seeds,
                              log=lambda s: print(s, file=sys.stderr, flush=True))
         print(_json({"report": str(report)}))
         return 0

@@ -9,11 +9,13 @@ DPO: the chosen and rejected completions trained on), ``--budget seconds`` after
 ``--seconds`` of training steps. Each run is scored at the end on one fixed held-out set for
 the table: greedy accuracy, mean reward, and the KL divergence of the trained policy from
 the start on its own samples of the held-out prompts. With ``--moe true`` (the default) it
-also trains GRPO and GSPO off-policy on a mixture-of-experts policy upcycled from the
-built-in model, to ask whether GSPO's sequence-level ratio is the more stable.
+also trains a mixture-of-experts policy upcycled from the built-in model, sampled in
+bfloat16 and trained in float32, with GRPO and GSPO, each with and without routing replay
+(R3), to ask whether replay or GSPO's sequence-level ratio makes it steadier; ``--moe``
+alone (or ``--moe only``) runs just that part.
 
     posttrain compare [--algos sft dpo ppo grpo dapo gspo dr_grpo rloo] [--seeds 3]
-        [--budget tokens|seconds] [--tokens 40000] [--seconds 20] [--moe true|false]
+        [--budget tokens|seconds] [--tokens 40000] [--seconds 20] [--moe [true|false|only]]
         [--output runs/compare]
 
 Writes ``OUTPUT/report.md``, ``OUTPUT/curves.png`` (accuracy against tokens and against
@@ -45,22 +47,28 @@ from posttrain.compare.runner import (
 
 
 def run_compare(algos: list[str], seeds: int, budget: str, tokens: int, seconds: float,
-                moe: bool, output: str | Path, device: str = "cpu", moe_seeds: int | None = None,
-                log=print) -> Path:
-    """Run the study and write its report; returns the report's path."""
+                moe: bool | str, output: str | Path, device: str = "cpu",
+                moe_seeds: int | None = None, log=print) -> Path:
+    """Run the study and write its report; returns the report's path. ``moe``: also the
+    mixture-of-experts arms (True), not (False), or only them (``"only"``: ``algos`` is
+    not run)."""
     _check(algos, seeds, budget, tokens, seconds)
     out = Path(output)
     runs = out / "runs"
     runs.mkdir(parents=True, exist_ok=True)
     limit = budget_args(budget, tokens, seconds)
     t0 = time.perf_counter()
-    scorer = Scorer("builtin", device)
-    start = scorer("builtin")
-    results = {"budget": budget, "tokens": tokens, "seconds": seconds, "seeds": seeds,
-               "algos": run_algos(algos, seeds, limit, device, runs, scorer, start, t0, log),
-               "moe": run_moe_study(out, device, moe_seeds or seeds, limit, log) if moe else None}
+    dense = moe != "only"
+    scorer = Scorer("builtin", device) if dense else None
+    start = scorer("builtin") if dense else None
+    results = {"budget": budget, "tokens": tokens, "seconds": seconds,
+               "seeds": seeds if dense else moe_seeds or seeds,
+               "algos": run_algos(algos, seeds, limit, device, runs, scorer, start, t0, log)
+               if dense else {},
+               "moe": run_moe_study(out, device, moe_seeds or seeds, limit, log) if moe
+               else None}
     (out / "results.json").write_text(json.dumps(results, indent=1))
-    figure = plot(results, out / "curves.png")
+    figure = plot(results, out / "curves.png") if dense else None
     report = out / "report.md"
     report.write_text(markdown(results, start, figure, time.perf_counter() - t0, EVAL_SIZE,
                                setup()))

@@ -1,11 +1,16 @@
-"""The study's mixture-of-experts part: is GSPO's sequence-level ratio more stable than GRPO's
-token-level one for a mixture-of-experts policy?
+"""The study's mixture-of-experts part: on a MoE policy sampled in bfloat16 and trained in
+float32, does routing replay (R3) or GSPO's sequence-level ratio make training steadier?
 
-The built-in model is upcycled into a Mixtral-style model (each MLP copied into 4 experts,
-2 routed per token, a fresh router; :func:`upcycle`), SFT'd briefly so the experts part
-(:func:`build_moe_start`), and both algorithms train it off-policy (2 epochs over 2
-minibatches, so ratios leave 1 and routing can move between the rollout and the update);
-:func:`run_moe_study` gathers clip fractions, the ratios' spread, KL and accuracy per seed.
+The built-in model is upcycled into a Mixtral-style model (each MLP copied into 8 experts,
+2 routed per token, a fresh router; :func:`upcycle`) and SFT'd briefly so the experts part
+(:func:`build_moe_start`). Four arms train it (:data:`ARMS`): GRPO and GSPO, each with
+``--routing_replay none`` and ``r3``, off-policy (2 epochs over 2 minibatches) and sampled
+by the hf engine from a bfloat16 copy of the float32 policy, the mismatch a user meets
+with a bfloat16 serving engine: a token whose router's top scores are close goes to other
+experts in the sampler than in the trainer. :func:`run_moe_study` gathers, per seed,
+accuracy, clip fractions, the spread of the update's ratios and of the mismatch weights,
+the rollout/trainer routing disagreement, the trainer/sampler log-prob gap, KL, and how far
+training moved the routing from the start's (:func:`routing_moved`).
 """
 
 from __future__ import annotations
@@ -16,11 +21,16 @@ from pathlib import Path
 
 from posttrain.compare.runner import Scorer, spawn, train
 
-MOE = dict(num_local_experts=4, num_experts_per_tok=2)
+MOE = dict(num_local_experts=8, num_experts_per_tok=2)
 MOE_SFT_STEPS = 150
-MOE_RL = ["--ppo_epochs", "2", "--minibatch_size", "64"]
-"""Off-policy updates for the MoE study: 2 epochs over 2 minibatches of a step's 128
-samples, so every update after the first sees ratios ≠ 1."""
+MOE_RL = ["--ppo_epochs", "2", "--minibatch_size", "64", "--rollout_backend", "hf",
+          "--rollout_dtype", "bfloat16"]
+"""Off-policy updates for the MoE study (2 epochs over 2 minibatches of a step's 128
+samples, so every update after the first sees ratios ≠ 1), sampled from a bfloat16 copy
+of the float32 policy (the mismatch is corrected by the default truncated importance
+weight, as for any engine of another dtype)."""
+ARMS = (("grpo", "none"), ("grpo", "r3"), ("gspo", "none"), ("gspo", "r3"))
+"""(algorithm, routing replay) of the study's arms."""
 
 
 def upcycle(dense, noise: float = 0.01, seed: int = 0):
@@ -93,43 +103,99 @@ def build_moe_start(out: Path, device: str, seed: int = 0, sft_steps: int | None
 
 
 def setup() -> dict:
-    """The MoE start as the report describes it: its experts and its SFT steps, read when
-    called so that the report names the steps :func:`build_moe_start` ran."""
-    return {**MOE, "sft_steps": MOE_SFT_STEPS}
+    """The MoE study as the report describes it: its experts, SFT steps and sampling, read
+    when called so that the report names what :func:`build_moe_start` and the arms ran."""
+    return {**MOE, "sft_steps": MOE_SFT_STEPS, "rl": " ".join(MOE_RL)}
+
+
+def arm_name(algo: str, replay: str) -> str:
+    return algo if replay == "none" else f"{algo}+{replay}"
 
 
 def run_moe_study(out: Path, device: str, seeds: int, limit: list[str], log) -> dict:
-    """The MoE start built under ``out/moe`` and scored, then GRPO and GSPO trained from it
-    under ``limit`` for ``seeds`` seeds each: per run, the final model's scores, the means
-    of :func:`_moe_metrics` over its steps and its wall time."""
+    """The MoE start built under ``out/moe`` and scored, then every arm of :data:`ARMS`
+    trained from it under ``limit`` for ``seeds`` seeds each: per run, the final model's
+    scores, :func:`_moe_metrics` over its steps, :func:`routing_moved` and its wall time."""
     start = build_moe_start(out / "moe", device)
     scorer = Scorer(str(start), device)
+    probe = _probe(scorer)
     study = {"start": scorer(start), "runs": {}}
     log(f"[compare] MoE start (upcycled, SFT'd): accuracy {study['start']['accuracy']:.1%}")
-    for algo in ("grpo", "gspo"):
-        study["runs"][algo] = []
+    for algo, replay in ARMS:
+        name = arm_name(algo, replay)
+        study["runs"][name] = []
         for seed in range(seeds):
-            d = out / "runs" / f"moe-{algo}-seed{seed}"
-            got = train(algo, str(start), d, seed, limit, device, MOE_RL)
+            d = out / "runs" / f"moe-{algo}-{replay}-seed{seed}"
+            got = train(algo, str(start), d, seed, limit, device,
+                        [*MOE_RL, "--routing_replay", replay])
             rows = [r for r in got["rows"] if "train/ratio_max" in r]
             final = scorer(d / "final")
-            study["runs"][algo].append({**final, **_moe_metrics(rows),
-                                        "wall_s": got["wall_s"]})
-            log(f"[compare] MoE {algo} seed {seed}: accuracy {final['accuracy']:.1%}, clip "
-                f"{study['runs'][algo][-1]['clip']:.3f}")
+            moved = routing_moved(scorer.start, scorer.load(d / "final"), probe)
+            study["runs"][name].append({**final, **_moe_metrics(rows),
+                                        "routing_moved": moved, "wall_s": got["wall_s"]})
+            r = study["runs"][name][-1]
+            log(f"[compare] MoE {name} seed {seed}: accuracy {final['accuracy']:.1%}, "
+                f"disagreement {r['disagreement']:.2%}, log-prob gap max "
+                f"{r['gap_max']:.3f}")
     return study
 
 
+def _probe(scorer: Scorer) -> dict:
+    """The held-out prompts with the start's greedy completions: the tokens
+    :func:`routing_moved` routes (the same for every run)."""
+    import torch
+
+    from posttrain.data import pad_sequences
+    from posttrain.rollout import SamplingParams, generate
+
+    prompts = [r["prompt"] for r in scorer.rows]
+    with torch.no_grad():
+        r = generate(scorer.start, scorer.tok, prompts, params=SamplingParams(
+            temperature=0.0, max_new_tokens=8), engine="hf")
+    ids = [scorer.tok(p)["input_ids"] for p in prompts]
+    comp = [c[:n].tolist() for c, n in zip(r.completion_ids, r.lengths, strict=True)]
+    return pad_sequences(ids, comp, scorer.tok.pad_token_id)
+
+
+def routing_moved(start, final, batch: dict) -> float:
+    """The share of the real tokens of ``batch`` (every router) whose expert set in
+    ``final`` differs from the one in ``start``: how far training moved the routing."""
+    import torch
+
+    from posttrain.models import routing
+
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    rows = torch.arange(len(ids))
+    with routing.Routing(start, len(ids), ids.shape[1]) as before, \
+            routing.Routing(final, len(ids), ids.shape[1]) as after, torch.no_grad():
+        with before.call(rows, mask, "record"):
+            start(input_ids=ids, attention_mask=mask)
+        after.load(before.indices.permute(1, 0, 2, 3))
+        with after.call(rows, mask, "compare"):
+            final(input_ids=ids, attention_mask=mask)
+        return after.disagreement
+
+
 def _moe_metrics(rows: list[dict]) -> dict[str, float]:
-    """Means over a run's training rows of what says how far the update strayed."""
+    """Means over a run's training rows of what says how far the update strayed and how
+    far the sampler was from the trainer; ``gap_max`` and ``kl_max`` are the worst step's."""
     keys = {"clip_low": "train/clip_frac_low", "clip_high": "train/clip_frac_high",
             "ratio_max": "train/ratio_max", "ratio_min": "train/ratio_min",
+            "weight_max": "train/rollout_corr/weight_max",
+            "weight_min": "train/rollout_corr/weight_min",
+            "disagreement": "router/disagreement", "gap_mean": "sampling/logprob_gap_mean",
             "train_kl": "train/kl"}
     out = {}
     for name, key in keys.items():
-        xs = [r[key] for r in rows if isinstance(r.get(key), (int, float))
-              and math.isfinite(r[key])]
-        out[name] = statistics.fmean(xs) if xs else float("nan")
+        out[name] = statistics.fmean(xs) if (xs := _finite(rows, key)) else float("nan")
+    for name, key in (("gap_max", "sampling/logprob_gap_max"), ("kl_max", "train/kl")):
+        out[name] = max(xs) if (xs := _finite(rows, key)) else float("nan")
     out["clip"] = out["clip_low"] + out["clip_high"]
     out["ratio_spread"] = out["ratio_max"] - out["ratio_min"]
+    out["weight_spread"] = out["weight_max"] - out["weight_min"]
     return out
+
+
+def _finite(rows: list[dict], key: str) -> list[float]:
+    return [r[key] for r in rows if isinstance(r.get(key), (int, float))
+            and math.isfinite(r[key])]

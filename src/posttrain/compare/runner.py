@@ -90,15 +90,21 @@ class Scorer:
         self.device = device
         self.start = load_causal_lm(start, device=device).eval()
 
+    def load(self, model_dir: str | Path):
+        """A trained model, ready to score."""
+        from posttrain.models import load_causal_lm
+
+        return load_causal_lm(str(model_dir), device=self.device).eval()
+
     def __call__(self, model_dir: str | Path) -> dict[str, float]:
         import torch
 
         from posttrain.data import pad_sequences
         from posttrain.evaluate import evaluate_policy
-        from posttrain.models import completion_logprobs, load_causal_lm
+        from posttrain.models import completion_logprobs
         from posttrain.rollout import SamplingParams, generate
 
-        model = load_causal_lm(str(model_dir), device=self.device).eval()
+        model = self.load(model_dir)
         result = evaluate_policy(model, self.tok, self.rows, self.reward, max_new_tokens=8)
         prompts = [r["prompt"] for r in self.rows]
         with torch.no_grad():

@@ -96,8 +96,10 @@ OTHER_NAMES = {
     "eps_clip": "clip_low", "init_kl_coef": "reward_kl_coef", "kl_ctl": "reward_kl_coef",
     "num_iterations": "ppo_epochs", "resume_from_checkpoint": "resume_from",
     "torch_dtype": "dtype", "bf16": "dtype",
-    # posttrain's own earlier name: one switch for both parts of the sampler cache
+    # posttrain's own earlier names: one switch for both parts of the sampler cache; one
+    # sampling dtype for every engine
     "reuse_rollout_forward": "replay_projections",
+    "vllm_dtype": "rollout_dtype",
 }
 
 

@@ -137,7 +137,8 @@ class RLConfig(RunConfig):
     rollout_correction: str = "auto"
     """Mismatch correction by the importance weight π_old/π_behaviour of the sampled tokens:
     none, token_truncate, token_mask, sequence_truncate, sequence_mask, icepop; auto = none
-    for the exact engines (lean, hf), token_truncate for vllm (docs/engines.md)."""
+    for the exact engines (lean, hf in the trainer's dtype), token_truncate for vllm or a
+    rollout_dtype of its own (docs/engines.md)."""
     rollout_correction_low: float | None = None
     """Lower bound of the masks (token_mask, sequence_mask, icepop); none = the mode's
     default."""
@@ -159,8 +160,11 @@ class RLConfig(RunConfig):
     """After each weight sync of an engine with weights of its own (vllm), score a small
     probe and stop the run when the engine's log-probs differ from the trainer's beyond
     the bound of the two dtypes (docs/engines.md)."""
-    vllm_dtype: str = "auto"
-    """vllm: the engine's dtype (float32, bfloat16, float16); auto = the policy's."""
+    rollout_dtype: str = "auto"
+    """The dtype the engine samples in (float32, bfloat16, float16); auto = the policy's.
+    Another than the policy's gives hf and lean a copy of the policy in that dtype, which
+    every weight sync refreshes (vllm holds its own copy anyway); the trainer still computes
+    in ``dtype``, so this is the rollout/trainer mismatch of a bfloat16 sampler."""
     vllm_kv_cache_gb: int = 1
     """vllm on the CPU: GiB of KV cache (whole GiB: vLLM's ``VLLM_CPU_KVCACHE_SPACE``)."""
     vllm_gpu_memory_utilization: float = 0.3
@@ -205,8 +209,9 @@ class RLConfig(RunConfig):
               "routing_replay must be none, r2 or r3")
         if self.routing_replay == "r3":
             check(self.rollout_backend != "vllm", "routing_replay=r3 reads the experts the "
-                  "engine recorded while sampling, which the vllm engine does not return to "
-                  "posttrain yet; use rollout_backend hf, or routing_replay r2")
+                  "engine chose while sampling, which the vllm engine does not return here "
+                  "(vLLM 0.32 captures them in its CUDA model runner only, and posttrain "
+                  "does not read them yet); use rollout_backend hf, or routing_replay r2")
             check(not self.episodic, "routing_replay=r3 is not available for episodes yet "
                   "(r2 is)")
         check(self.routing_replay == "none" or self.parallel != "fsdp",
@@ -295,14 +300,19 @@ class RLConfig(RunConfig):
         except ValueError as e:
             raise ConfigError(f"rollout_correction: {e}") from None
         if self.rollout_backend != "vllm":
-            self.refuse(("vllm_dtype", "vllm_kv_cache_gb", "vllm_gpu_memory_utilization",
+            self.refuse(("vllm_kv_cache_gb", "vllm_gpu_memory_utilization",
                          "vllm_sleep", "vllm_tensor_parallel_size"),
                         f"rollout_backend={self.rollout_backend} (they set the vllm engine)")
-        check(self.vllm_dtype in ("auto", "float32", "bfloat16", "float16"),
-              "vllm_dtype must be auto, float32, bfloat16 or float16")
+        check(self.rollout_dtype in ("auto", "float32", "bfloat16", "float16"),
+              "rollout_dtype must be auto, float32, bfloat16 or float16")
         check(self.vllm_kv_cache_gb >= 1 and 0 < self.vllm_gpu_memory_utilization <= 1
               and self.vllm_tensor_parallel_size >= 1, "vllm_kv_cache_gb must be ≥ 1, "
               "vllm_gpu_memory_utilization in (0, 1] and vllm_tensor_parallel_size ≥ 1")
+
+    @property
+    def samples_in_own_dtype(self) -> bool:
+        """The engine samples in another dtype than the trainer computes in."""
+        return self.rollout_dtype not in ("auto", self.dtype)
 
     def correction(self):
         """The mismatch correction this run applies (``auto`` resolved by the backend)."""
@@ -310,7 +320,8 @@ class RLConfig(RunConfig):
 
         mode = self.rollout_correction
         if mode == "auto":
-            mode = "token_truncate" if self.rollout_backend == "vllm" else "none"
+            exact = self.rollout_backend != "vllm" and not self.samples_in_own_dtype
+            mode = "none" if exact else "token_truncate"
         bounds = {k: v for k, v in (("low", self.rollout_correction_low),
                                     ("high", self.rollout_correction_high)) if v is not None}
         return Correction(mode, **bounds)

@@ -45,15 +45,16 @@ def can_replay(model) -> bool:
 
 def plan(cfg, policy, engine, *, share_prompt: bool, compiled: bool, sharded: bool) -> Plan:
     """The one decision. Both outputs need ``fast``, the shared-prompt layout (their rows
-    follow the sampler's, one prompt per group) and an unsharded policy (a sharded run
-    samples from a copy). The projections also need an engine that captures them, a policy
-    it can replay and no compile (compiled blocks would not run the replayed functions);
-    the head's statistics a training forward without dropout and a micro-batch of
-    full-length completions that reaches the fused head (below it the head is unfused and
-    the statistics would cost time for nothing)."""
+    follow the sampler's, one prompt per group) and an engine that samples with the policy
+    itself (a sharded run, or a rollout_dtype of its own, samples from a copy). The
+    projections also need an engine that captures them, a policy it can replay and no
+    compile (compiled blocks would not run the replayed functions); the head's statistics
+    a training forward without dropout and a micro-batch of full-length completions that
+    reaches the fused head (below it the head is unfused and the statistics would cost
+    time for nothing)."""
     from posttrain.models.logprobs import fusable_head
 
-    common = bool(cfg.fast and share_prompt and not sharded)
+    common = bool(cfg.fast and share_prompt and engine.shares_weights and not sharded)
     projections = (common and cfg.replay_projections and "projections" in engine.extras
                    and not compiled and can_replay(policy))
     rows = min(cfg.micro_batch_size, cfg.prompts_per_step * cfg.group_size)

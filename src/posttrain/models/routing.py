@@ -72,6 +72,8 @@ class Routing:
         self.recorded = torch.zeros(rows, dtype=torch.bool, device=self.indices.device)
         self.differ = [0.0] * len(self.routers)  # per router: replayed real tokens that
         self.counted = [0.0] * len(self.routers)  # the router would have sent elsewhere
+        self.counting = True
+        """Whether replays and comparisons add to :attr:`disagreement` now."""
         self._stats: list[dict[str, torch.Tensor]] = [{} for _ in self.routers]
         self._hooks = [r.register_forward_hook(self._hook(i))
                        for i, r in enumerate(self.routers)]
@@ -115,9 +117,10 @@ class Routing:
             # sampling): the router's own routing
             held = real & (want >= 0).all(-1)
             want = torch.where(held[:, None], want, idx)
-            same = (want.sort(-1).values == idx.sort(-1).values).all(-1)
-            self.differ[i] += float((~same & held).sum())
-            self.counted[i] += float(held.sum())
+            if self.counting:
+                same = (want.sort(-1).values == idx.sort(-1).values).all(-1)
+                self.differ[i] += float((~same & held).sum())
+                self.counted[i] += float(held.sum())
             if mode == "compare":  # counted only: the router's own routing goes on
                 return None
             return logits, replay_scores(module, logits, want, scores.dtype), want

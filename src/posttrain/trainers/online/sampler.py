@@ -14,19 +14,22 @@ from posttrain.rollout import Request, SamplingParams, make_engine
 from posttrain.rollout.guard import SyncGuard
 
 
-def sampler_module(cfg, policy, merged: bool, sharded: bool):
-    """What an in-process engine samples from. Sharded: a plain copy of the policy (in the
-    run's dtype, not FSDP's masters'; LoRA: the base's frozen weights shared, the adapted
-    layers merged) that each sync overwrites from the weight stream. Otherwise the policy
-    itself (with LoRA the lean decoder merges the adapters into its per-call weights).
+def sampler_module(cfg, policy, sharded: bool):
+    """What an in-process engine samples from: the policy itself (with LoRA the lean decoder
+    merges the adapters into its per-call weights), or a plain copy of it that each sync
+    overwrites from the weight stream, where the run is sharded (the copy in the run's
+    dtype, not FSDP's masters') or ``rollout_dtype`` asks for another dtype (the copy in
+    that one); with LoRA the copy's adapted layers are merged, as the stream sends them.
     None for vllm: the engine holds its own copy."""
     if cfg.rollout_backend == "vllm":
         return None
-    if merged:
-        return lora.plain_copy(policy).eval()
-    if sharded:
-        return copy.deepcopy(policy).to(getattr(torch, cfg.dtype)).eval()
-    return policy
+    dtype = getattr(torch, cfg.rollout_dtype if cfg.samples_in_own_dtype else cfg.dtype)
+    if not (sharded or cfg.samples_in_own_dtype):
+        return policy
+    if lora.is_adapted(policy):
+        plain = lora.plain_copy(policy)  # (it shares the frozen base tensors with the policy)
+        return (copy.deepcopy(plain).to(dtype) if cfg.samples_in_own_dtype else plain).eval()
+    return copy.deepcopy(policy).to(dtype).eval()
 
 
 def build_engine(cfg, policy, sampler, tokenizer):
@@ -36,7 +39,7 @@ def build_engine(cfg, policy, sampler, tokenizer):
     if cfg.rollout_backend == "vllm":
         from posttrain.rollout.vllm import VLLMOptions
 
-        options = VLLMOptions(cfg.vllm_dtype, cfg.vllm_kv_cache_gb,
+        options = VLLMOptions(cfg.rollout_dtype, cfg.vllm_kv_cache_gb,
                               cfg.vllm_gpu_memory_utilization, cfg.vllm_sleep,
                               cfg.vllm_tensor_parallel_size, cfg.max_length, cfg.seed)
     source = sampler if sampler is not None else policy

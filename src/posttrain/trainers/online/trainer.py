@@ -84,8 +84,7 @@ class RLTrainer(Job):
         self.policy = trained.load_trained(cfg, resume, lambda name: trained.load_policy(
             cfg, name, trained=True))
         self.sharded = cfg.parallel == "fsdp"
-        self.merged = self.sharded and lora.is_adapted(self.policy)
-        self.sampler = sampler_module(cfg, self.policy, self.merged, self.sharded)
+        self.sampler = sampler_module(cfg, self.policy, self.sharded)
         self.device = next(self.policy.parameters()).device
         self.moe = routing.is_moe(self.policy)
         """A mixture-of-experts policy: its passes run whole sequences (the layout routing is
@@ -151,8 +150,11 @@ class RLTrainer(Job):
 
     def _extras(self) -> frozenset[str]:
         """What the next rollouts keep: the speed-ups' (:mod:`posttrain.fast.eligibility`)
-        and, for R3, the routing."""
-        extra = {"routing"} if self.cfg.routing_replay == "r3" else set()
+        and, for a MoE policy with r3 or none, the routing (where the engine records it)."""
+        # (with none, the rollout's routing is what the trainer's is compared with)
+        wanted = self.cfg.routing_replay == "r3" or (self.moe
+                                                     and self.cfg.routing_replay == "none")
+        extra = {"routing"} if wanted else set()
         return self.reuse.extras(self.packed) | extra
 
     def _optimizers(self) -> list[Optim]:
@@ -261,15 +263,16 @@ class RLTrainer(Job):
         if self.moe and tokens is not None and not tokens.share:
             routed = tokens.routing = routing.Routing(self.policy, len(tokens),
                                                       tokens.full["input_ids"].shape[1])
-            if cfg.routing_replay == "r3":  # the experts the engine recorded while sampling
-                if exp.local.routing is None:
-                    raise RuntimeError(f"routing_replay=r3: the {self.engine.name} engine "
-                                       "recorded no routing")
+            if exp.local.routing is not None:  # the experts the engine chose while sampling
                 routed.load(exp.local.routing)
+            elif cfg.routing_replay == "r3":
+                raise RuntimeError(f"routing_replay=r3: the {self.engine.name} engine "
+                                   "recorded no routing")
+        sampled_routing = routed is not None and exp.local.routing is not None
         valid = exp.valid.to(self.device)
         mask = exp.rollout.trained_mask.to(self.device).float() * valid[:, None]
         # 2. passes: old log-probs, reference log-probs, old values
-        old, ref, old_values = self._passes(algo, tokens, exp.own, mask)
+        old, ref, old_values = self._passes(algo, tokens, exp.own, mask, sampled_routing)
         t_passes = time.perf_counter()
         # 3. advantages
         scores = self.experience.shape_scores(exp.scores, exp.rollout, exp.valid).to(self.device)
@@ -287,7 +290,11 @@ class RLTrainer(Job):
         critic_opt = self.optimizers[1] if self.critic is not None else None
         if routed is not None:  # r2, r3: through the recorded experts; else compare with them
             tokens.routing_mode = ("replay" if cfg.routing_replay != "none" else
-                                   "compare" if old is not None else "observe")
+                                   "compare" if (old is None) == sampled_routing
+                                   else "observe")
+            # the disagreement counted is the rollout's against the trainer's at the same
+            # weights where the old pass compared it (else the update's against the old's)
+            routed.counting = not (sampled_routing and old is not None)
             routed.collect_logits = bool(self.router_aux_coef)  # (the update's forwards)
         sums, n_steps, n_critic = run_updates(
             self.policy, self.critic, algo, tokens, x,
@@ -346,11 +353,14 @@ class RLTrainer(Job):
         self.experience.extras = self._extras()
         return checked
 
-    def _passes(self, algo, tokens: TokenBatch | None, own: torch.Tensor, mask: torch.Tensor):
+    def _passes(self, algo, tokens: TokenBatch | None, own: torch.Tensor, mask: torch.Tensor,
+                sampled_routing: bool = False):
         """Old log-probs (None when the first update's ratio is exactly 1 and no reward KL
         needs them), reference log-probs (None without a reference), old values (None
         without a critic), each ``(N, Lc)`` over the step's samples: this rank computes
-        its rows ``own`` (rows of its ``tokens``; None: no rows) and gets the others'."""
+        its rows ``own`` (rows of its ``tokens``; None: no rows) and gets the others'.
+        MoE: the old pass replays the rollout's routing (r3), records its own (r2), or
+        routes freely and compares with the rollout's (``sampled_routing``) or records."""
         cfg = self.cfg
         several_updates = (cfg.ppo_epochs > 1 or cfg.minibatch_size < len(mask)
                            or cfg.routing_replay == "r2")  # (r2 records in the old pass)
@@ -370,8 +380,9 @@ class RLTrainer(Job):
             return dist.assemble(local.float(), own, len(mask))
 
         with torch.no_grad():
-            if tokens is not None and tokens.routing is not None:  # r3 replays the rollout's
-                tokens.routing_mode = "replay" if cfg.routing_replay == "r3" else "record"
+            if tokens is not None and tokens.routing is not None:
+                tokens.routing_mode = {"r3": "replay", "r2": "record"}.get(
+                    cfg.routing_replay, "compare" if sampled_routing else "record")
             old = (whole(self.policy, lambda m, r: tokens.logprobs(m, r, reuse=True))
                    if several_updates or algo.reward_kl_coef != 0 else None)
             if tokens is not None:
