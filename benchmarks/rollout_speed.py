@@ -3,8 +3,10 @@
 same model, prompts and sampling settings, alternating in one process; median seconds per
 rollout of P prompts × G completions.
 
-Cases: the shipped built-in model on its RL settings (16 prompts × 8, up to 8 new tokens) and
-the random-init ~25M model of the speed comparisons (8 × 8, 32 new tokens).
+Cases: the shipped built-in model on its RL settings (16 prompts × 8, up to 8 new tokens),
+the same model upcycled into the 8-expert, top-2 Mixtral of ``posttrain compare --moe``
+(where the lean decoder runs the expert blocks as the model's own modules), and the
+random-init ~25M model of the speed comparisons (8 × 8, 32 new tokens).
 
 Usage: python benchmarks/rollout_speed.py [--repeats 7]
 """
@@ -71,7 +73,13 @@ def main() -> int:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     work = Path(tempfile.mkdtemp(prefix="posttrain-rollout-"))
     init_model(work / "medium", **SIZES["medium"])
+    from posttrain.compare.moe import upcycle
+    from posttrain.models import load_causal_lm, load_tokenizer
+
+    upcycle(load_causal_lm("builtin", device="cpu"), noise=0.05).save_pretrained(work / "moe")
+    load_tokenizer("builtin").save_pretrained(work / "moe")
     cases = [("built-in 0.85M", "builtin", 16, 8, 8),
+             ("built-in upcycled, 8 experts top-2", str(work / "moe"), 16, 8, 8),
              ("random 25M", str(work / "medium"), 8, 8, 32)]
     print("| model | prompts x G | new tokens | lean s | hf-forward s | model.generate s | "
           "lean vs generate |\n|---|---|---|---|---|---|---|")

@@ -665,3 +665,48 @@ def test_an_engine_on_a_copy_frees_it_while_asleep_and_a_sync_brings_it_back(bui
     partial = ((n, t) for n, t in hf_weights(model) if n != first)
     with pytest.raises(RuntimeError, match="left out tensors the engine freed"):
         engine.sync(partial, 3)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_lean_decoder_runs_mixture_of_experts_blocks(tiny_model_dir, arch):
+    """Mixtral and Qwen2-MoE (a shared expert, q/k/v biases, top-k unnormalised): the lean
+    decoder runs each expert block as the model's own module, so tokens and log-probs are
+    the hf engine's; it records the experts it routed to, the same as the hf engine's
+    recording; and it refuses to capture projections it cannot replay."""
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    from posttrain.fast.eligibility import can_replay
+    from posttrain.fast.lean import LeanLlamaDecoder
+    from posttrain.models import load_tokenizer
+    from posttrain.models.routing import routers
+    from posttrain.rollout import Request, SamplingParams, make_engine
+
+    tok = load_tokenizer(tiny_model_dir)
+    common = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    if arch == "mixtral":
+        model = MixtralForCausalLM(MixtralConfig(**common, num_local_experts=6,
+                                                 num_experts_per_tok=2))
+    else:
+        model = Qwen2MoeForCausalLM(Qwen2MoeConfig(
+            **common, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16,
+            shared_expert_intermediate_size=16, norm_topk_prob=False))
+        assert model.model.layers[0].mlp.shared_expert is not None
+    with torch.no_grad():  # routers that route decisively, so recordings are comparable
+        for r in routers(model):
+            r.weight.normal_(0, 1.0)
+    model.eval()
+    _assert_lean_equals_hf(model, tok)
+    assert not LeanLlamaDecoder.supports_dense(model) and not can_replay(model)
+    requests = [Request((5, 6, 7, 8), 1), Request((9, 10), 2)]
+    params = SamplingParams(max_new_tokens=5, temperature=1.0)
+    got = [make_engine(name, model, tok).generate(requests, 2, params,
+                                                  extras=frozenset({"routing"}))
+           for name in ("lean", "hf")]
+    assert torch.equal(got[0].completion_ids, got[1].completion_ids)
+    assert got[0].routing is not None and torch.equal(got[0].routing, got[1].routing)
+    with pytest.raises(ValueError, match="dense models only"):
+        make_engine("lean", model, tok).generate(requests, 1, params,
+                                                 extras=frozenset({"projections"}))

@@ -171,12 +171,13 @@ def moe_dir(tmp_path_factory):
     return str(path)
 
 
-@pytest.mark.parametrize("replay", ["r3", "r2", "none"])
-def test_grpo_on_a_moe_policy_logs_its_routing(moe_dir, tmp_path, replay):
-    """GRPO with two epochs on a Mixtral policy: r3 replays the experts the hf engine chose
-    while sampling (old pass and update), r2 the old pass's in the update, none compares
-    the old pass's with the engine's; all log router/* each step. The gradient still
-    reaches the routers (their weights move)."""
+@pytest.mark.parametrize(("replay", "engine"), [("r3", "lean"), ("r3", "hf"), ("r2", "auto"),
+                                                ("none", "auto")])
+def test_grpo_on_a_moe_policy_logs_its_routing(moe_dir, tmp_path, replay, engine):
+    """GRPO with two epochs on a Mixtral policy: r3 replays the experts the engine (lean or
+    hf) chose while sampling (old pass and update), r2 the old pass's in the update, none
+    compares the old pass's with the engine's; all log router/* each step. The gradient
+    still reaches the routers (their weights move)."""
     import json
 
     from safetensors.torch import load_file
@@ -194,7 +195,7 @@ def test_grpo_on_a_moe_policy_logs_its_routing(moe_dir, tmp_path, replay):
                    group_size=4, minibatch_size=4, ppo_epochs=2, max_new_tokens=4,
                    builtin_train_size=16, builtin_eval_size=0, device="cpu",
                    tensorboard=False, temperature=1.5, routing_replay=replay, lr=1e-2,
-                   log_every=1)
+                   log_every=1, rollout_backend=engine)
     cfg.validate()
     run_rl(cfg)
     rows = [json.loads(x) for x in
@@ -223,8 +224,6 @@ def test_routing_replay_config_errors(tmp_path, tiny_model_dir):
     with pytest.raises(ConfigError, match="vllm engine does not return here"):
         RLConfig(output_dir=str(tmp_path), routing_replay="r3",
                  rollout_backend="vllm").validate()
-    with pytest.raises(ConfigError, match="not available for episodes"):
-        RLConfig(output_dir=str(tmp_path), routing_replay="r3", env="builtin").validate()
     cfg = RLConfig(model=tiny_model_dir, output_dir=str(tmp_path), routing_replay="r2",
                    device="cpu", tensorboard=False)
     cfg.validate()
@@ -396,3 +395,86 @@ def test_routing_moved_counts_the_tokens_routed_elsewhere(moe):
             r.weight.neg_()
     # with E ≥ 2k experts, the k largest of −z are none of the k largest of z
     assert 1 / len(routers(moe)) <= routing_moved(moe, other, b) <= 1
+
+
+@pytest.mark.parametrize(("engine", "reuse"), [("hf", True), ("hf", False), ("lean", True)])
+def test_an_episodes_recording_covers_every_fed_token_of_its_transcript(moe_dir, tmp_path,
+                                                                        engine, reuse):
+    """R3 for episodes: each turn's engine call records the tokens it runs (with reused
+    keys and values, only the turn's new tokens: the last sampled token, the message, the
+    generation prompt), and the episode's recording over the whole transcript has, at every
+    token but the last, the experts a plain forward of the transcript chooses (where the
+    router's top-k is decisive: the reused keys and values are the decode steps' own, so
+    routing agrees only up to float rounding)."""
+    from posttrain.episodes import EnvSpec, EpisodeLimits, run_episodes
+    from posttrain.models import load_causal_lm, load_tokenizer
+    from posttrain.rollout import make_engine
+
+    env = tmp_path / "envs.py"
+    env.write_text("class Three:\n"
+                   "    def __init__(self, row):\n        self.t = 0\n"
+                   "    def reset(self):\n        return '1+2='\n"
+                   "    def step(self, text):\n        self.t += 1\n"
+                   "        return ('and 3+4=', 0.0, False) if self.t < 3 else "
+                   "(None, 1.0, True)\n")
+    model = load_causal_lm(moe_dir, device="cpu").eval()
+    tok = load_tokenizer(moe_dir)
+    eps = run_episodes(make_engine(engine, model, tok), tok, EnvSpec.parse(f"{env}:Three"),
+                       [{}], 3, [5], SamplingParams(max_new_tokens=4, temperature=1.5),
+                       EpisodeLimits(max_turns=3, max_episode_tokens=48), reuse=reuse,
+                       extras=frozenset({"routing"}))
+    ro = eps.rollout
+    assert ro.routing is not None and int(eps.turns.max()) > 1
+    seqs, _ = ro.sequences()
+    k = model.config.num_experts_per_tok
+    checked = total = 0
+    for i, seq in enumerate(seqs):
+        logits = []
+        hooks = [r.register_forward_hook(lambda m, a, o, got=logits: got.append(o[0]))
+                 for r in routers(model)]
+        with torch.no_grad(), Routing(model, 1, len(seq)) as plain, \
+                plain.call(torch.tensor([0]), torch.ones(1, len(seq)), "record"):
+            model(input_ids=torch.tensor([seq]))
+        for h in hooks:
+            h.remove()
+        fed = len(seq) - 1  # every token but the last was fed in some turn
+        assert (ro.routing[i, :, :fed] >= 0).all() and (ro.routing[i, :, fed:] == -1).all()
+        got = ro.routing[i, :, :fed].sort(-1).values
+        want = plain.indices[:, 0, :fed].sort(-1).values
+        p = torch.stack(logits).double().softmax(-1)[:, :fed].sort(-1, descending=True).values
+        decisive = (p[..., k - 1] - p[..., k]) > 1e-3
+        assert torch.equal(got[decisive], want[decisive])
+        checked, total = checked + int(decisive.sum()), total + decisive.numel()
+    assert checked >= 0.6 * total  # the check is not vacuous
+
+
+def test_grpo_with_r3_on_episodes(moe_dir, tmp_path):
+    """An episodic GRPO run with r3: the update routes through the experts the engine chose
+    over every turn; at the sampling weights the trainer's own choice differs from them
+    only at float ties."""
+    import json
+
+    from posttrain.config import RLConfig
+    from posttrain.trainers.online import run_rl
+
+    env = tmp_path / "envs.py"
+    env.write_text("class Two:\n"
+                   "    def __init__(self, row):\n        self.row, self.t = row, 0\n"
+                   "    def reset(self):\n        return self.row['q']\n"
+                   "    def step(self, text):\n        self.t += 1\n"
+                   "        return ('again', 0.0, False) if self.t < 2 else "
+                   "(None, float(len(text)), True)\n")
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"q": f"{i}+{i}="}) + "\n" for i in range(8)))
+    cfg = RLConfig(model=moe_dir, output_dir=str(tmp_path / "run"), max_steps=2,
+                   prompts_per_step=2, data=str(data), env=f"{env}:Two", group_size=4,
+                   max_new_tokens=4, max_turns=2, max_episode_tokens=64, device="cpu",
+                   tensorboard=False, temperature=1.5, lr=1e-2, log_every=1, eval_every=0,
+                   routing_replay="r3", ppo_epochs=2, minibatch_size=4)
+    cfg.validate()
+    run_rl(cfg)
+    rows = [json.loads(x) for x in
+            (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward/mean" in r]
+    assert len(steps) == 2 and all(r["episodes/turns_mean"] == 2 for r in steps)
+    assert all(0 <= r["router/disagreement"] <= 0.02 for r in steps)

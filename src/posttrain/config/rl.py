@@ -146,12 +146,12 @@ class RLConfig(RunConfig):
     """Upper bound: the truncation cap, or the masks' upper bound; none = the mode's
     default."""
     routing_replay: str = "none"
-    """Mixture-of-experts policies: r3 records each token's experts while sampling (the hf
-    engine) and the old-policy and update passes route through them; r2 records them in
-    the old-policy pass and the update routes through them (the gate's weights always from
-    the current router); none routes freely. Either way the step logs router/* (load,
-    entropy, auxiliary loss, and the share of tokens whose experts differ from the
-    recorded ones)."""
+    """Mixture-of-experts policies: r3 records each token's experts while sampling (the
+    lean and hf engines, single turns and episodes) and the old-policy and update passes
+    route through them; r2 records them in the old-policy pass and the update routes
+    through them (the gate's weights always from the current router); none routes
+    freely. Either way the step logs router/* (load, entropy, auxiliary loss, and the
+    share of tokens whose experts differ from the recorded ones)."""
     router_aux_loss_coef: float | None = None
     """Mixture-of-experts policies: the weight of the family's auxiliary load-balancing loss
     in the policy's loss; none = as the model's config defines it (router_aux_loss_coef
@@ -212,8 +212,6 @@ class RLConfig(RunConfig):
                   "engine chose while sampling, which the vllm engine does not return here "
                   "(vLLM 0.32 captures them in its CUDA model runner only, and posttrain "
                   "does not read them yet); use rollout_backend hf, or routing_replay r2")
-            check(not self.episodic, "routing_replay=r3 is not available for episodes yet "
-                  "(r2 is)")
         check(self.routing_replay == "none" or self.parallel != "fsdp",
               "routing_replay=r2 is not available with parallel=fsdp yet")
         if self.data is not None and not self.reward and not self.env:

@@ -87,18 +87,25 @@ class _Live:
     valid: bool = True
     env_s: float = 0.0
     version: int = 0
+    routing: torch.Tensor | None = None
+    """(routers, positions, k): the experts each fed token went to, over the turns (-1
+    where none: a token never fed)."""
 
 
 def run_episodes(engine, tokenizer, spec: EnvSpec, rows: list[dict], n: int,
                  seeds: list[int | None], params: SamplingParams, limits: EpisodeLimits,
                  on_error: str = "raise", renderer: Renderer | None = None,
-                 max_length: int | None = None, reuse: bool = True) -> Episodes:
+                 max_length: int | None = None, reuse: bool = True,
+                 extras: frozenset[str] = frozenset()) -> Episodes:
     """``n`` episodes of each row (rows of one row contiguous, as a rollout's groups): row
     ``i``'s episode ``j`` samples turn ``t`` from ``stream_seed(sample_seed(seeds[i], j),
     "turn", t)`` (None: the engine's own randomness). ``on_error``: ``raise`` an
     :class:`EnvError`, or ``skip`` (the episode is dropped: ``valid`` False, its line in
     ``errors``). ``reuse``: a turn reuses the engine's keys and values of the earlier ones
-    (:meth:`~posttrain.rollout.RolloutEngine.reusing_prefixes`); False re-encodes them."""
+    (:meth:`~posttrain.rollout.RolloutEngine.reusing_prefixes`); False re-encodes them.
+    ``extras``: ``routing`` keeps, for a mixture-of-experts sampler, the experts every fed
+    token of the transcript went to (each turn's call records the tokens it runs), as the
+    rollout's ``routing``."""
     renderer = renderer or Renderer(tokenizer)
     errors: list[str] = []
     live: list[_Live] = []
@@ -124,11 +131,13 @@ def run_episodes(engine, tokenizer, spec: EnvSpec, rows: list[dict], n: int,
                                f"{max_length}")
             live.append(_Live(ep, prompt, messages=[msg], env_s=time.perf_counter() - t0))
     with engine.reusing_prefixes() if reuse else contextlib.nullcontext():
-        _turns(engine, tokenizer, live, n, seeds, params, limits, on_error, renderer, errors)
+        _turns(engine, tokenizer, live, n, seeds, params, limits, on_error, renderer, errors,
+               extras)
     return _collect(live, tokenizer, n, errors)
 
 
-def _turns(engine, tokenizer, live, n, seeds, params, limits, on_error, renderer, errors):
+def _turns(engine, tokenizer, live, n, seeds, params, limits, on_error, renderer, errors,
+           extras=frozenset()):
     """Every episode of ``live`` to its end, one engine call per turn."""
     for turn in range(limits.max_turns):
         running = [k for k, e in enumerate(live) if not e.done]
@@ -146,8 +155,11 @@ def _turns(engine, tokenizer, live, n, seeds, params, limits, on_error, renderer
                                 stream_seed(sample_seed(seeds[k // n], k % n), "turn", turn))
                         for k in part]
             out = engine.generate(requests, 1, SamplingParams(
-                params.temperature, params.top_p, params.top_k, b, params.stop))
+                params.temperature, params.top_p, params.top_k, b, params.stop),
+                extras=extras)
             for j, k in enumerate(part):
+                if out.routing is not None:
+                    _record(live[k], out.routing[j])
                 m = out.completion_mask[j].bool()
                 outs[k] = (out.completion_ids[j][m].tolist(), out.logprobs[j][m].tolist(),
                            out.texts[j], out.policy_version)
@@ -190,6 +202,18 @@ def _turns(engine, tokenizer, live, n, seeds, params, limits, on_error, renderer
             e.tokens += nxt
             e.mask += [0] * len(nxt)
             e.logps += [0.0] * len(nxt)
+
+
+def _record(e: _Live, got: torch.Tensor) -> None:
+    """Merge a turn's recording ``(routers, positions, k)`` (sequence positions; -1 where the
+    call fed no token) into the episode's."""
+    if e.routing is None or e.routing.shape[1] < got.shape[1]:
+        grown = torch.full((*got.shape[:1], got.shape[1], got.shape[2]), -1, dtype=got.dtype)
+        if e.routing is not None:
+            grown[:, :e.routing.shape[1]] = e.routing
+        e.routing = grown
+    fed = (got >= 0).all(-1)  # (routers, positions)
+    e.routing[:, :got.shape[1]][fed] = got[fed]
 
 
 def score_episodes(eps: Episodes, rows: list[dict], rewards, on_error: str = "raise",
@@ -240,9 +264,22 @@ def _collect(live: list[_Live], tokenizer, n: int, errors: list[str]) -> Episode
                       group_ids=torch.arange(N) // n, texts=texts,
                       loss_mask=loss, stats=stats,
                       policy_version=min((e.version for e in live), default=0))
+    if any(e.routing is not None for e in live):
+        rollout.routing = _routing(live, max(len(e.prompt) for e in live) + T)
     return Episodes(rollout, torch.tensor([e.ret for e in live], dtype=torch.float64),
                     torch.tensor([e.valid for e in live], dtype=torch.bool),
                     [e.messages for e in live], errors)
+
+
+def _routing(live: list[_Live], width: int) -> torch.Tensor:
+    """The episodes' recordings as one ``(N, routers, width, k)`` (-1 where none)."""
+    like = next(e.routing for e in live if e.routing is not None)
+    out = torch.full((len(live), like.shape[0], width, like.shape[2]), -1, dtype=like.dtype)
+    for k, e in enumerate(live):
+        if e.routing is not None:
+            w = min(width, e.routing.shape[1])
+            out[k, :, :w] = e.routing[:, :w]
+    return out
 
 
 def _counters(e: _Live) -> dict:

@@ -40,7 +40,8 @@ def can_replay(model) -> bool:
 
     checkpointing = any(getattr(m, "gradient_checkpointing", False) is True
                         for m in model.modules())
-    return LeanLlamaDecoder.supports(model) and not checkpointing and not has_dropout(model)
+    return (LeanLlamaDecoder.supports_dense(model) and not checkpointing
+            and not has_dropout(model))
 
 
 def plan(cfg, policy, engine, *, share_prompt: bool, compiled: bool, sharded: bool) -> Plan:

@@ -1,7 +1,8 @@
 """The lean decoder: incremental decoding of plain Llama-family models (Llama, Qwen2,
-Mistral without a window) over a preallocated KV cache, as a short sequence of tensor ops
-per step, optionally capturing each projection's output for the update to replay
-(:mod:`posttrain.fast.replay`). The rollout engine ``lean`` drives it."""
+Mistral without a window, and the mixture-of-experts Mixtral and Qwen2-MoE) over a
+preallocated KV cache, as a short sequence of tensor ops per step, optionally capturing each
+projection's output for the update to replay (:mod:`posttrain.fast.replay`; dense models
+only). The rollout engine ``lean`` drives it."""
 
 from __future__ import annotations
 
@@ -38,6 +39,20 @@ def _weight(proj) -> torch.Tensor:
     w, a, b, s = parts  # merged in the adapters' dtype (peft keeps them float32), then cast
     return torch.addmm(w.to(a.dtype), b, a, alpha=s).to(w.dtype)
 
+def _windowed(cfg) -> bool:
+    """Whether some layer attends through a sliding window (a family with ``layer_types``
+    windows only the layers it marks ``sliding_attention``)."""
+    if not getattr(cfg, "sliding_window", None):
+        return False
+    types = getattr(cfg, "layer_types", None)
+    return types is None or "sliding_attention" in types
+
+
+def _dense_mlp(mlp) -> bool:
+    """A SwiGLU MLP of three projections (else a mixture-of-experts block: it has a router)."""
+    return all(hasattr(mlp, k) for k in ("gate_proj", "up_proj", "down_proj"))
+
+
 def _layer_kv(cache, i: int) -> tuple[torch.Tensor, torch.Tensor]:
     if hasattr(cache, "layers"):  # transformers ≥ 4.56
         return cache.layers[i].keys, cache.layers[i].values
@@ -57,19 +72,30 @@ class LeanLlamaDecoder:
     are built per call, so they always match the current policy.
     """
 
-    ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+    ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM",
+             "MixtralForCausalLM", "Qwen2MoeForCausalLM")
 
     @classmethod
     def supports(cls, model) -> bool:
         """A Llama-family model, or a peft LoRA model of one, whose decoder layers'
         projections are plain ``nn.Linear`` or LoRA layers over one (the decoder reads
         their weights, merging ``W + s·B·A`` per call; any other wrapper would be missed)
-        and whose MLP has no biases (the fused gate/up takes none)."""
+        and whose MLP has no biases (the fused gate/up takes none). A mixture-of-experts
+        layer's block (router, experts, a shared expert) runs as its own module."""
+        return cls._supports(model, moe=True)
+
+    @classmethod
+    def supports_dense(cls, model) -> bool:
+        """:meth:`supports`, and every layer's MLP a plain SwiGLU (what a capture records)."""
+        return cls._supports(model, moe=False)
+
+    @classmethod
+    def _supports(cls, model, moe: bool) -> bool:
         if hasattr(model, "get_base_model"):  # peft
             model = model.get_base_model()
         cfg = model.config
         if not (type(model).__name__ in cls.ARCHS
-                and getattr(cfg, "sliding_window", None) is None
+                and not _windowed(cfg)
                 and getattr(cfg, "hidden_act", "silu") == "silu"
                 and not getattr(cfg, "mlp_bias", False)
                 and not getattr(cfg, "final_logit_softcapping", None)
@@ -77,10 +103,15 @@ class LeanLlamaDecoder:
             return False
         for layer in model.model.layers:
             a, m = layer.self_attn, layer.mlp
-            projections = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj,
-                           m.down_proj)
-            if not all(is_replayable_projection(x) for x in projections) or any(
-                    getattr(x, "bias", None) is not None for x in projections[4:]):
+            projections = [a.q_proj, a.k_proj, a.v_proj, a.o_proj]
+            if _dense_mlp(m):
+                mlp = [m.gate_proj, m.up_proj, m.down_proj]
+                if any(getattr(x, "bias", None) is not None for x in mlp):
+                    return False
+                projections += mlp
+            elif not (moe and hasattr(m, "gate") and hasattr(m, "experts")):
+                return False
+            if not all(is_replayable_projection(x) for x in projections):
                 return False
         return True
 
@@ -98,6 +129,8 @@ class LeanLlamaDecoder:
         self.hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.nh
         self.embed, self.norm, self.head = base.embed_tokens, _rms_norm(base.norm), model.lm_head
         self.layers = []
+        if capture and not self.supports_dense(model):
+            raise ValueError("the lean decoder captures projections of dense models only")
         for layer in base.layers:
             a, m = layer.self_attn, layer.mlp
             # weights transposed once (views), so a step's matmuls can write their results
@@ -105,12 +138,15 @@ class LeanLlamaDecoder:
             wqk = torch.cat([_weight(a.q_proj), _weight(a.k_proj)]).t()
             bqk = (torch.cat([a.q_proj.bias, a.k_proj.bias]) if a.q_proj.bias is not None
                    else None)
-            wgu = torch.cat([_weight(m.gate_proj), _weight(m.up_proj)]).t()
+            # a mixture-of-experts block runs as its own module (its router's hooks fire:
+            # posttrain.models.routing records and replays through them)
+            mlp = (((torch.cat([_weight(m.gate_proj), _weight(m.up_proj)]).t(), None),
+                    (_weight(m.down_proj).t(), m.down_proj.bias)) if _dense_mlp(m)
+                   else (m, None))
             self.layers.append((
                 _rms_norm(layer.input_layernorm), (wqk, bqk),
                 (_weight(a.v_proj).t(), a.v_proj.bias), (_weight(a.o_proj).t(), a.o_proj.bias),
-                _rms_norm(layer.post_attention_layernorm), (wgu, None),
-                (_weight(m.down_proj).t(), m.down_proj.bias), a.scaling))
+                _rms_norm(layer.post_attention_layernorm), *mlp, a.scaling))
         k0, _ = _layer_kv(cache, 0)
         P, _, Lp, _ = k0.shape
         N = P * n
@@ -261,6 +297,9 @@ class LeanLlamaDecoder:
                                    alpha=scaling)
             a = torch.bmm(scores.softmax(-1), V)  # (R·nh, 1, hd)
             h = h + _linear(a.view(R, nh * hd), *wo, out and out["o"])
+            if isinstance(wgu, torch.nn.Module):  # a mixture-of-experts block
+                h = h + wgu(n2(h)[:, None]).view(R, -1)
+                continue
             g, u = _linear(n2(h), *wgu, out and out["gu"]).chunk(2, dim=-1)
             h = h + _linear(F.silu(g) * u, *wdown, out and out["down"])
         self.col = c + 1

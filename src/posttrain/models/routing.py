@@ -248,9 +248,11 @@ class RolloutRecorder:
         self._hooks = [r.register_forward_hook(self._hook(i))
                        for i, r in enumerate(self.routers)]
 
-    def prefill(self, Lp: int) -> None:
-        """The next forward is the prefill of the prompts, left-padded to ``Lp``."""
-        self._where = ("prefill", Lp)
+    def prefill(self, Lp: int, held: list[int] | None = None) -> None:
+        """The next forward is the prefill of the prompts, left-padded to ``Lp``; ``held``:
+        per prompt, the tokens of it already in the cache (a reused prefix), which the
+        prefill does not run: it runs the rest, positions ``held[p]`` on."""
+        self._where = ("prefill", Lp, held or [0] * (len(self.lens) // self.n))
 
     def step(self, rows: torch.Tensor, t: int) -> None:
         """The next forward feeds completion token ``t`` of the samples ``rows``."""
@@ -263,12 +265,12 @@ class RolloutRecorder:
             idx = output[2]
             k = idx.shape[1]
             if self._where[0] == "prefill":
-                Lp = self._where[1]
+                _, Lp, held = self._where
                 P = len(self.lens) // self.n
                 per = idx.view(P, Lp, k)
                 for p in range(P):
-                    L = int(self.lens[p * self.n])
-                    self.out[p * self.n:(p + 1) * self.n, i, :L, :k] = per[p, Lp - L:]
+                    L, h = int(self.lens[p * self.n]), held[p]
+                    self.out[p * self.n:(p + 1) * self.n, i, h:L, :k] = per[p, Lp - (L - h):]
             else:
                 _, rows, t = self._where
                 self.out[rows, i, self.lens[rows] + t, :k] = idx

@@ -354,13 +354,16 @@ class DecodingEngine(RolloutEngine):
         model.eval()
         past = self._past(prompt_ids) if self._reuse else None
         recorder = None  # R3: the experts of every token fed (mixture-of-experts samplers)
-        if "routing" in extras and past is None:
+        if "routing" in extras:
             from posttrain.models import routing
 
             if routing.is_moe(model):
                 recorder = routing.RolloutRecorder(model, [len(p) for p in prompt_ids], n,
                                                    Lp + T)
-                recorder.prefill(Lp)
+                held = [0 if past is None or kv is None else kv[0].shape[2]
+                        for kv in (past or [None] * P)]
+                recorder.prefill(max(len(p) - h for p, h in zip(prompt_ids, held,
+                                                                strict=True)), held)
         cache, logits, mask, next_pos = _prefill(model, prompt_ids, n, pad_id, device, past)
         Lp = mask.shape[1]  # the cache's columns before decoding (with a reused past)
         extras = extras & self.extras

@@ -1,5 +1,6 @@
 """The ``lean`` rollout engine: decode steps run by ``posttrain.fast.lean``'s decoder (plain
-Llama-family models), which can capture the projections' outputs for the update to replay."""
+Llama-family models, dense or mixture-of-experts), which can capture the projections' outputs
+for the update to replay (dense models) and records the experts it routed to (MoE)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ class LeanEngine(DecodingEngine):
     """Decode with :class:`LeanLlamaDecoder`; only for models it supports."""
 
     name = "lean"
-    extras = frozenset({"projections", "head_stats"})
+    extras = frozenset({"projections", "head_stats", "routing"})
 
     @staticmethod
     def supports(model) -> bool:

@@ -125,7 +125,7 @@ class ExperienceMaker:
 
             eps = run_episodes(self.engine, self.tok, self.env, rows, n, seeds, params,
                                self.limits, self.cfg.on_reward_error, self.renderer,
-                               self.cfg.max_length)
+                               self.cfg.max_length, extras=extras & {"routing"})
             rollout = eps.rollout
         t1 = time.perf_counter()
         scored = self.score(rows, rollout, n, eps)

@@ -89,9 +89,6 @@ class RLTrainer(Job):
         self.moe = routing.is_moe(self.policy)
         """A mixture-of-experts policy: its passes run whole sequences (the layout routing is
         recorded and replayed in) unless share_prompt is set, and the step logs router/*."""
-        if cfg.routing_replay == "r3" and self.moe and cfg.rollout_backend == "lean":
-            raise ConfigError("routing_replay=r3: the lean engine runs no mixture-of-experts "
-                              "model; use rollout_backend hf")
         if cfg.routing_replay != "none" and not self.moe:
             raise ConfigError(f"routing_replay={cfg.routing_replay} needs a mixture-of-experts "
                               f"policy; {type(self.policy).__name__} has no router")
