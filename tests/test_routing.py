@@ -478,3 +478,22 @@ def test_grpo_with_r3_on_episodes(moe_dir, tmp_path):
     steps = [r for r in rows if "reward/mean" in r]
     assert len(steps) == 2 and all(r["episodes/turns_mean"] == 2 for r in steps)
     assert all(0 <= r["router/disagreement"] <= 0.02 for r in steps)
+
+
+def test_the_weight_stream_in_checkpoint_layout_is_what_save_pretrained_writes(moe,
+                                                                              tmp_path):
+    """What a serving engine loads: ``checkpoint_layout`` of the module-layout stream has
+    exactly the names and tensors of the model's own saved checkpoint (per-expert tensors
+    where the modules hold fused ones)."""
+    from safetensors.torch import load_file
+
+    from posttrain.models.weights import checkpoint_layout, hf_weights
+
+    moe.save_pretrained(tmp_path)
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    got = dict(checkpoint_layout(moe, hf_weights(moe)))
+    tied = {"lm_head.weight"} - got.keys() if moe.config.tie_word_embeddings else set()
+    assert got.keys() | tied == saved.keys()
+    assert any(".experts.0." in k for k in got)  # the experts came apart
+    for name, t in got.items():
+        assert torch.equal(t, saved[name]), name

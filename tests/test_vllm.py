@@ -211,6 +211,48 @@ def test_a_model_vllm_cannot_load_is_one_line_and_exit_2(tmp_path):
     assert "not supported" in last
 
 
+def _tiny_mixtral(path, tok):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(MixtralConfig(
+        vocab_size=len(tok), hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=64, pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)).eval()
+    with torch.no_grad():  # routers that route decisively, so both sides route alike
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0, 1.0)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return model
+
+
+def test_a_moe_policy_is_written_in_its_checkpoint_layout_and_refused_on_cpu(tmp_path,
+                                                                             monkeypatch):
+    """vLLM loads a mixture-of-experts policy from the checkpoint layout (per-expert
+    w1/w3/w2), not transformers' fused module layout: the engine written from the policy
+    scores the probe as the trainer does (float32 bound). On the CPU build the engine is
+    refused in one line, because its expert kernels do not survive reload_weights."""
+    from posttrain.models import routing
+    from posttrain.rollout.vllm import EngineUnavailable, VLLMEngine, VLLMOptions
+
+    tok = load_tokenizer(str(builtin_model_dir()))
+    model = _tiny_mixtral(tmp_path / "moe", tok)
+    with pytest.raises(EngineUnavailable, match="expert kernels do not survive"):
+        VLLMEngine(model, tok, VLLMOptions(max_model_len=64))
+    monkeypatch.setattr(routing, "is_moe", lambda m: False)  # past the refusal
+    seqs, lens = [[5, 6, 7, 8, 9, 10, 11, 12], [9, 10, 11, 12, 13]], [3, 2]
+    with VLLMEngine(model, tok, VLLMOptions(max_model_len=64)) as engine:
+        got = engine.score(seqs, lens)
+    want = trainer_logprobs(model, seqs, lens)
+    num = sum(float((a.double() - b.double()).square().sum()) for a, b in
+              zip(got, want, strict=True))
+    den = sum(float(b.double().square().sum()) for b in want)
+    assert (num / den) ** 0.5 <= _bound(model)
+
+
 @pytest.mark.kill
 def test_sigkill_and_resume_through_vllm(tmp_path):
     """A run killed (SIGKILL) once checkpoint-2 exists, resumed from it, ends on the same

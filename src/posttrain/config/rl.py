@@ -210,8 +210,9 @@ class RLConfig(RunConfig):
         if self.routing_replay == "r3":
             check(self.rollout_backend != "vllm", "routing_replay=r3 reads the experts the "
                   "engine chose while sampling, which the vllm engine does not return here "
-                  "(vLLM 0.32 captures them in its CUDA model runner only, and posttrain "
-                  "does not read them yet); use rollout_backend hf, or routing_replay r2")
+                  "(vLLM 0.32 returns them only from its model runner V2, which needs "
+                  "Triton, so not on CPU; posttrain does not read them yet); use "
+                  "rollout_backend hf or lean, or routing_replay r2")
         check(self.routing_replay == "none" or self.parallel != "fsdp",
               "routing_replay=r2 is not available with parallel=fsdp yet")
         if self.data is not None and not self.reward and not self.env:

@@ -25,6 +25,23 @@ def text_config(model):
     return getattr(config, "get_text_config", lambda: config)()
 
 
+def checkpoint_layout(model, weights: Iterator[tuple[str, torch.Tensor]]
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The stream of ``model``'s weights (its modules' names and shapes) in the layout its
+    checkpoints are saved in, what a serving engine's loader reads: ``transformers``
+    converts some families' checkpoints when it loads them (a mixture of experts' per-expert
+    ``w1``/``w3``/``w2`` into fused ``gate_up_proj``/``down_proj`` tensors) and reverts the
+    conversion when it saves; this applies its own revert (``revert_weight_conversion``) a
+    tensor at a time, so a fused tensor is streamed as its experts' tensors."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    from posttrain.models.lora import is_adapted
+
+    base = model.get_base_model() if is_adapted(model) else model
+    for name, t in weights:
+        yield from revert_weight_conversion(base, {name: t}).items()
+
+
 def _adapted(model, changed_only: bool) -> Iterator[tuple[str, torch.Tensor]]:
     from posttrain.models.lora import merged_weight
 

