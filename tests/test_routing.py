@@ -497,3 +497,64 @@ def test_the_weight_stream_in_checkpoint_layout_is_what_save_pretrained_writes(m
     assert any(".experts.0." in k for k in got)  # the experts came apart
     for name, t in got.items():
         assert torch.equal(t, saved[name]), name
+
+
+def test_router_losses_are_the_familys_own_over_the_forwards_with_gradients(moe):
+    """RouterLosses (the offline trainers' auxiliary loss): over a padded forward it is the
+    family's load-balancing loss as the model computes it with output_router_logits, with a
+    gradient to the routers; a forward under no_grad (a reference pass) adds nothing."""
+    import sys
+
+    from posttrain.models.routing import RouterLosses
+
+    ids, mask = batch()
+    with RouterLosses(moe) as losses:
+        with torch.no_grad():
+            moe(input_ids=ids, attention_mask=mask)
+        out = moe(input_ids=ids, attention_mask=mask, output_router_logits=True)
+        got = losses.loss()
+    fn = sys.modules[type(moe).__module__].load_balancing_loss_func
+    want = fn(out.router_logits, len(routers(moe)[0].weight), routers(moe)[0].top_k, mask)
+    assert torch.allclose(got, want, rtol=1e-6)
+    got.backward()
+    assert routers(moe)[0].weight.grad.abs().sum() > 0
+    with RouterLosses(moe) as losses, torch.no_grad():
+        moe(input_ids=ids, attention_mask=mask)
+        assert losses.loss() is None
+
+
+@pytest.mark.parametrize("command", ["sft", "rm", "dpo"])
+def test_offline_trainers_take_the_auxiliary_loss(moe_dir, tmp_path, command):
+    """SFT, RM and DPO on a Mixtral: --router_aux_loss_coef adds the family's loss (logged as
+    train/router_aux_loss), so the routers end elsewhere than without it; none (the
+    config's own, here 0) logs nothing; a weight for a dense model is one line."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from posttrain.cli import main
+
+    gates = []
+    for coef in ("0", "1.0"):
+        out = tmp_path / f"{command}{coef}"
+        assert main([command, "--model", moe_dir, "--output_dir", str(out), "--max_steps",
+                     "2", "--batch_size", "4", "--builtin_train_size", "16",
+                     "--builtin_eval_size", "4", "--lr", "1e-2", "--log_every", "1",
+                     "--tensorboard", "false", "--router_aux_loss_coef", coef]) == 0
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        trained = [r for r in rows if "train/loss" in r]
+        assert trained and all(("train/router_aux_loss" in r) == (coef != "0")
+                               for r in trained)
+        w = load_file(str(out / "final" / "model.safetensors"))
+        gates.append(w[next(k for k in w if k.endswith("gate.weight"))])
+    assert not torch.equal(gates[0], gates[1])
+
+
+def test_an_auxiliary_weight_for_a_dense_model_is_one_line(tiny_model_dir, tmp_path, capsys):
+    from posttrain.cli import main
+
+    assert main(["sft", "--model", tiny_model_dir, "--output_dir", str(tmp_path / "o"),
+                 "--max_steps", "1", "--router_aux_loss_coef", "0.1",
+                 "--tensorboard", "false"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "needs a mixture-of-experts model" in err[-1]

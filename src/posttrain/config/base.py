@@ -110,6 +110,10 @@ class RunConfig:
     critic (dynamic shapes; fuses their elementwise work, forward and backward). They compile
     once, on first use (seconds); it pays where kernel launches dominate (a GPU), not on a
     few CPU cores (docs/benchmarks.md); needs a C++ compiler (CPU) or triton (CUDA)."""
+    router_aux_loss_coef: float | None = None
+    """Mixture-of-experts models: the weight of the family's auxiliary load-balancing loss
+    in the trained model's loss (RL: the policy's); none = as the model's config defines it
+    (router_aux_loss_coef when output_router_logits is set, else 0), 0 = off."""
     lora_rank: int = 0
     """LoRA through peft: train rank-R adapters on the decoder blocks' linear layers instead
     of every weight; 0 = full fine-tuning. The reference is the policy with its adapter off;

@@ -152,10 +152,6 @@ class RLConfig(RunConfig):
     through them (the gate's weights always from the current router); none routes
     freely. Either way the step logs router/* (load, entropy, auxiliary loss, and the
     share of tokens whose experts differ from the recorded ones)."""
-    router_aux_loss_coef: float | None = None
-    """Mixture-of-experts policies: the weight of the family's auxiliary load-balancing loss
-    in the policy's loss; none = as the model's config defines it (router_aux_loss_coef
-    when output_router_logits is set, else 0), 0 = off."""
     sync_guard: bool = True
     """After each weight sync of an engine with weights of its own (vllm), score a small
     probe and stop the run when the engine's log-probs differ from the trainer's beyond

@@ -41,6 +41,84 @@ def is_moe(model) -> bool:
     return bool(routers(model))
 
 
+def aux_coef(model, given: float | None) -> float:
+    """The auxiliary loss's weight: ``given``, or as the model's config defines its training
+    loss (``router_aux_loss_coef`` when ``output_router_logits`` is set, else 0); a weight
+    for a model with no router is refused."""
+    if given is None:
+        c = model.config
+        given = (float(getattr(c, "router_aux_loss_coef", 0.0) or 0.0)
+                 if is_moe(model) and getattr(c, "output_router_logits", False) else 0.0)
+    if given and not is_moe(model):
+        raise ValueError(f"router_aux_loss_coef={given} needs a mixture-of-experts model; "
+                         f"{type(model).__name__} has no router")
+    return float(given)
+
+
+class RouterLosses:
+    """The family's auxiliary load-balancing loss of the forwards run inside it that record
+    gradients (a reference pass under ``no_grad`` is left out), whatever calls them: hooks
+    on the routers keep each forward's router logits, and a hook on the decoder stack its
+    attention mask (its last columns, where the forward runs over a cache). :meth:`loss` is
+    the real-token-weighted mean over those forwards, differentiable."""
+
+    def __init__(self, model):
+        self.routers = routers(model)
+        stack = next(m for m in model.modules()
+                     if isinstance(getattr(m, "layers", None), torch.nn.ModuleList))
+        self._calls: list[tuple[torch.Tensor | None, list[torch.Tensor]]] = []
+        self._hooks = [stack.register_forward_pre_hook(self._begin, with_kwargs=True)]
+        self._hooks += [r.register_forward_hook(self._keep) for r in self.routers]
+
+    def _begin(self, module, args, kwargs):
+        if not torch.is_grad_enabled():
+            self._calls.append((None, []))  # (a forward whose logits are not kept)
+            return None
+        x = kwargs.get("input_ids", args[0] if args else None)
+        if x is None:
+            x = kwargs["inputs_embeds"]
+        B, T = x.shape[:2]
+        mask = kwargs.get("attention_mask")
+        if mask is None:
+            mask = torch.ones(B, T, dtype=torch.long, device=x.device)
+        if mask.dim() != 2:
+            raise ValueError("the auxiliary router loss needs a 2-D attention mask (a packed "
+                             "or custom mask hides which tokens are real)")
+        self._calls.append((mask[:, -T:], []))
+        return None
+
+    def _keep(self, module, args, output):
+        if self._calls and self._calls[-1][0] is not None:
+            self._calls[-1][1].append(output[0])
+
+    def loss(self) -> torch.Tensor | None:
+        import sys
+
+        router = self.routers[0]
+        fn = getattr(sys.modules[type(router).__module__], "load_balancing_loss_func", None)
+        if fn is None:
+            raise ValueError(f"{type(router).__name__}'s family defines no auxiliary loss")
+        total, weight = None, 0.0
+        for mask, logits in self._calls:
+            if mask is None or not logits:
+                continue
+            n = float(mask.sum())
+            term = fn(tuple(logits), logits[0].shape[-1], router.top_k, mask.long()) * n
+            total, weight = (term, n) if total is None else (total + term, weight + n)
+        return None if total is None else total / max(weight, 1.0)
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def replay_scores(router, logits: torch.Tensor, indices: torch.Tensor, dtype) -> torch.Tensor:
     """The gate's weights of the experts ``indices`` ``(tokens, k)``: the router's softmax
     at them, normalised over them as the family does (Mixtral always; Qwen-MoE when

@@ -25,6 +25,7 @@ from posttrain.models import (
     load_tokenizer,
     lora,
     pick_device,
+    routing,
     save_model,
     sequence_scores,
     shared_prompt_logprobs,
@@ -112,6 +113,10 @@ class OfflineJob(Job):
                               f"the {dist.world_size()} ranks")
         self.optimizers = [Optim("model", model, cfg.lr, cfg.weight_decay, cfg.max_grad_norm,
                                  cfg.on_nonfinite, cfg.fast and cfg.sparse_embedding_grad)]
+        try:  # mixture-of-experts models: the family's load-balancing loss, if weighted
+            self.aux_coef = routing.aux_coef(model, cfg.router_aux_loss_coef)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     # --- what a subclass provides ------------------------------------------------------------
     def collate(self, examples: list) -> dict:
@@ -149,7 +154,16 @@ class OfflineJob(Job):
                                               sum(_completion_tokens(b) for b in micro)])
         sums: dict[str, torch.Tensor] = {}
         for batch in micro:
-            loss_sum, metric_sums = self.loss(batch)
+            if self.aux_coef:  # added per unit, so the step's weight is units-weighted
+                with routing.RouterLosses(self.model) as router:
+                    loss_sum, metric_sums = self.loss(batch)
+                    aux = router.loss()
+                if aux is not None:
+                    units = self.units(batch)
+                    loss_sum = loss_sum + self.aux_coef * aux * units
+                    metric_sums = {**metric_sums, "router_aux_loss": aux.detach() * units}
+            else:
+                loss_sum, metric_sums = self.loss(batch)
             (loss_sum / max(step_units, 1)).backward()
             for k, v in {"loss": loss_sum.detach(), **metric_sums}.items():
                 sums[f"train/{k}"] = sums.get(f"train/{k}", 0.0) + v.detach()
@@ -244,7 +258,12 @@ class DPOTrainer(OfflineJob):
         super().__init__(cfg, model, tokenizer, train_examples, eval_examples)
         self.ref_model = None if ref_model is None else ref_model.eval().requires_grad_(False)
         """The frozen reference; None: the policy with its adapter off (LoRA)."""
-        self.share_prompt = decide_share_prompt(cfg.share_prompt, model)
+        if self.aux_coef and cfg.share_prompt:
+            raise ConfigError("router_aux_loss_coef needs share_prompt=false (the shared "
+                              "prompt's packed mask hides which tokens the loss counts)")
+        # (the auxiliary loss reads each forward's padding: full sequences)
+        self.share_prompt = (False if self.aux_coef and cfg.share_prompt is None
+                             else decide_share_prompt(cfg.share_prompt, model))
         if cfg.precompute_ref:
             for examples in (self.train_examples, self.eval_examples):
                 self._cache_reference(examples)

@@ -94,14 +94,10 @@ class RLTrainer(Job):
                               f"policy; {type(self.policy).__name__} has no router")
         self.share_prompt = (False if self.moe and cfg.share_prompt is None else
                              decide_share_prompt(cfg.share_prompt, self.policy, cfg.group_size))
-        aux = cfg.router_aux_loss_coef
-        if aux is None:  # as the model's config defines its training loss
-            c = self.policy.config
-            aux = (float(getattr(c, "router_aux_loss_coef", 0.0) or 0.0)
-                   if self.moe and getattr(c, "output_router_logits", False) else 0.0)
-        if aux and not self.moe:
-            raise ConfigError(f"router_aux_loss_coef={aux} needs a mixture-of-experts policy")
-        self.router_aux_coef = aux
+        try:
+            self.router_aux_coef = routing.aux_coef(self.policy, cfg.router_aux_loss_coef)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if cfg.routing_replay != "none" and self.share_prompt:
             raise ConfigError("routing_replay needs share_prompt=false (routing is recorded "
                               "and replayed over whole sequences)")
