@@ -265,3 +265,73 @@ def test_too_few_prompts_for_the_ranks_is_refused(tmp_path):
                           timeout=300)
     assert proc.returncode != 0 and "at least one prompt per rank" in proc.stderr
     assert not (tmp_path / "o").exists()
+
+
+@pytest.fixture(scope="module")
+def moe_run(tmp_path_factory):
+    """A tiny Mixtral (routers drawn to route decisively) and a prompt file with a length
+    reward, so groups have signal from the first step; ``moe_run(ranks, parallel, replay)``
+    runs GRPO with two minibatches per step (an old pass, ratios off 1) once per key."""
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    from posttrain.builtin.tokenizer import build_tokenizer
+    from posttrain.models.routing import routers
+
+    root = tmp_path_factory.mktemp("moe-dist")
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(MixtralConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+        pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, num_local_experts=6, num_experts_per_tok=2,
+        tie_word_embeddings=False))
+    with torch.no_grad():
+        for r in routers(model):
+            r.weight.normal_(0, 1.0)
+    model.save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    (root / "r.py").write_text("def by_len(prompts, completions, **_):\n"
+                               "    return [float(len(c)) for c in completions]\n")
+    (root / "p.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+{i}="}) + "\n"
+                                          for i in range(32)))
+    done: dict[tuple, Path] = {}
+
+    def get(ranks: int, parallel: str, replay: str) -> Path:
+        key = (ranks, parallel, replay)
+        if key not in done:
+            out = root / "-".join(map(str, key))
+            args = ["grpo", "--model", str(root / "model"), "--data", str(root / "p.jsonl"),
+                    "--reward", f"{root / 'r.py'}:by_len", "--routing_replay", replay,
+                    "--parallel", parallel, "--prompts_per_step", "3", "--group_size", "4",
+                    "--max_new_tokens", "6", "--minibatch_size", "6", "--temperature", "1.5",
+                    "--max_steps", "3", "--eval_every", "0", "--lr", "1e-3", "--device",
+                    "cpu", "--tensorboard", "false", "--log_every", "1", "--seed", "3",
+                    "--output_dir", str(out)]
+            proc = subprocess.run([*_launch(ranks), "-m", "posttrain", *args],
+                                  env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                  capture_output=True, text=True, timeout=300)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            done[key] = out
+        return done[key]
+
+    return get
+
+
+@pytest.mark.parametrize(("parallel", "replay"), [("ddp", "r3"), ("fsdp", "r3"),
+                                                  ("fsdp", "r2")])
+def test_two_ranks_replay_the_routing_of_one(moe_run, parallel, replay):
+    """Routing replay on 2 ranks (each its own prompt groups; under fsdp the sampler a plain
+    copy that records the experts): the final weights are the single process's within
+    1e-5, and the router metrics, summed over the ranks, are its own. Without replay the
+    weights end elsewhere by far more than that, so the agreement is replay's."""
+    one, two = moe_run(1, "ddp", replay), moe_run(2, parallel, replay)
+    a, b = _weights(one), _weights(two)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-5)
+    free = _weights(moe_run(2, parallel, "none"))
+    assert max(float((free[k] - a[k]).abs().max()) for k in a) > 1e-4
+    for x, y in zip(_rows(one), _rows(two), strict=True):
+        for k, v in x.items():
+            if k.startswith("router/"):
+                assert y[k] == pytest.approx(v, rel=1e-4, abs=1e-6), k

@@ -209,8 +209,6 @@ class RLConfig(RunConfig):
                   "(vLLM 0.32 returns them only from its model runner V2, which needs "
                   "Triton, so not on CPU; posttrain does not read them yet); use "
                   "rollout_backend hf or lean, or routing_replay r2")
-        check(self.routing_replay == "none" or self.parallel != "fsdp",
-              "routing_replay=r2 is not available with parallel=fsdp yet")
         if self.data is not None and not self.reward and not self.env:
             if self.tools:
                 raise ConfigError("--tools needs --reward: the terms that score each "

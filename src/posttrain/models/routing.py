@@ -257,6 +257,40 @@ class Routing:
         n = sum(self.counted)
         return sum(self.differ) / n if n else float("nan")
 
+    def accumulators(self) -> list[float]:
+        """What :meth:`metrics` reads, flat (per router: differ, counted, the experts'
+        counts and probability sums, the entropy sum, the tokens), to be summed over ranks
+        and given back with :meth:`set_accumulators`."""
+        out: list[float] = []
+        for i, r in enumerate(self.routers):
+            E, st = r.weight.shape[0], self._stats[i]
+            out += [self.differ[i], self.counted[i]]
+            for key, size in (("counts", E), ("prob_sum", E), ("entropy_sum", 1),
+                              ("tokens", 1)):
+                v = st.get(key)
+                out += ([0.0] * size if v is None else
+                        torch.as_tensor(v, dtype=torch.float64).reshape(-1).tolist())
+        return out
+
+    @staticmethod
+    def no_accumulators(model) -> list[float]:
+        """:meth:`accumulators` of a rank that ran no routed forward: zeros."""
+        return [0.0] * sum(2 + 2 * r.weight.shape[0] + 2 for r in routers(model))
+
+    def set_accumulators(self, flat: list[float]) -> None:
+        at = 0
+        for i, r in enumerate(self.routers):
+            E = r.weight.shape[0]
+            self.differ[i], self.counted[i] = flat[at], flat[at + 1]
+            at += 2
+            st = {}
+            for key, size in (("counts", E), ("prob_sum", E), ("entropy_sum", 1),
+                              ("tokens", 1)):
+                v = torch.tensor(flat[at:at + size], dtype=torch.float64)
+                st[key] = v if size > 1 else v[0]
+                at += size
+            self._stats[i] = st if float(st["tokens"]) > 0 else {}
+
     def metrics(self, prefix: str = "router/") -> dict[str, float]:
         """Per router ``i``: ``load_max_over_mean_i`` (the busiest expert's share of the
         assignments against the mean share, 1 when balanced), ``entropy_i`` (nats, mean

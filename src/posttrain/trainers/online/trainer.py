@@ -306,6 +306,11 @@ class RLTrainer(Job):
         record, kl = step_metrics(cfg, algo, exp, tokens, scores, mask, valid, old, ref,
                                   old_values, returns, live, sums, n_steps, n_critic, times)
         record.update(checked)
+        if self.moe and dist.world_size() > 1:  # the router metrics of every rank's rows
+            flat = dist.sum_floats(routed.accumulators() if routed is not None else
+                                   routing.Routing.no_accumulators(self.policy))
+            if routed is not None:
+                routed.set_accumulators(flat)
         if routed is not None:
             record.update(routed.metrics())
             routed.close()
