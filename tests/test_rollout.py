@@ -667,13 +667,21 @@ def test_an_engine_on_a_copy_frees_it_while_asleep_and_a_sync_brings_it_back(bui
         engine.sync(partial, 3)
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_lean_decoder_runs_mixture_of_experts_blocks(tiny_model_dir, arch):
-    """Mixtral and Qwen2-MoE (a shared expert, q/k/v biases, top-k unnormalised): the lean
+    """Mixtral, Qwen2-MoE (a shared expert, q/k/v biases, top-k unnormalised) and Qwen3-MoE
+    (per-head q and k norms, made non-trivial here so a skipped norm would show): the lean
     decoder runs each expert block as the model's own module, so tokens and log-probs are
     the hf engine's; it records the experts it routed to, the same as the hf engine's
     recording; and it refuses to capture projections it cannot replay."""
-    from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+    from transformers import (
+        MixtralConfig,
+        MixtralForCausalLM,
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     from posttrain.fast.eligibility import can_replay
     from posttrain.fast.lean import LeanLlamaDecoder
@@ -689,11 +697,19 @@ def test_lean_decoder_runs_mixture_of_experts_blocks(tiny_model_dir, arch):
     if arch == "mixtral":
         model = MixtralForCausalLM(MixtralConfig(**common, num_local_experts=6,
                                                  num_experts_per_tok=2))
-    else:
+    elif arch == "qwen2_moe":
         model = Qwen2MoeForCausalLM(Qwen2MoeConfig(
             **common, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16,
             shared_expert_intermediate_size=16, norm_topk_prob=False))
         assert model.model.layers[0].mlp.shared_expert is not None
+    else:
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+            **common, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16,
+            norm_topk_prob=True))
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.uniform_(0.5, 2.0)
+                layer.self_attn.k_norm.weight.uniform_(0.5, 2.0)
     with torch.no_grad():  # routers that route decisively, so recordings are comparable
         for r in routers(model):
             r.weight.normal_(0, 1.0)

@@ -4,8 +4,8 @@ routing is the recorded one, whatever the router has become — the gate's weigh
 from the current router (it gets a gradient), a replay of the router's own choice is the
 plain forward bit for bit, and without replay the disagreement is measured. Every family
 also runs through the trainers (GRPO with r3, r2 and none, single-turn and episodes; SFT,
-RM and DPO with the auxiliary loss) and the engines that run it (hf; lean for Mixtral and
-Qwen2-MoE), whose recordings are checked against a plain forward's routing."""
+RM and DPO with the auxiliary loss) and both in-process engines (lean and hf), whose
+recordings are checked against a plain forward's routing."""
 
 from __future__ import annotations
 
@@ -177,16 +177,6 @@ def moe_dir(request, tmp_path_factory):
     return str(path)
 
 
-def _needs_lean(moe_dir: str, engine: str) -> None:
-    """Skip where the lean engine is asked for a family it does not run (Qwen3-MoE)."""
-    if engine == "lean":
-        from posttrain.fast.lean import LeanLlamaDecoder
-        from posttrain.models import load_causal_lm
-
-        if not LeanLlamaDecoder.supports(load_causal_lm(moe_dir, device="cpu")):
-            pytest.skip("the lean decoder does not run this family")
-
-
 @pytest.mark.parametrize(("replay", "engine"), [("r3", "lean"), ("r3", "hf"), ("r2", "auto"),
                                                 ("none", "auto")])
 def test_grpo_on_a_moe_policy_logs_its_routing(moe_dir, tmp_path, replay, engine):
@@ -195,8 +185,6 @@ def test_grpo_on_a_moe_policy_logs_its_routing(moe_dir, tmp_path, replay, engine
     compares the old pass's with the engine's; all log router/* each step. The gradient
     still reaches the routers (their weights move)."""
     import json
-
-    _needs_lean(moe_dir, engine)
 
     from safetensors.torch import load_file
 
@@ -427,8 +415,6 @@ def test_an_episodes_recording_covers_every_fed_token_of_its_transcript(moe_dir,
     from posttrain.episodes import EnvSpec, EpisodeLimits, run_episodes
     from posttrain.models import load_causal_lm, load_tokenizer
     from posttrain.rollout import make_engine
-
-    _needs_lean(moe_dir, engine)
 
     env = tmp_path / "envs.py"
     env.write_text("class Three:\n"

@@ -1,5 +1,5 @@
 """The lean decoder: incremental decoding of plain Llama-family models (Llama, Qwen2,
-Mistral without a window, and the mixture-of-experts Mixtral and Qwen2-MoE) over a
+Mistral without a window, and the mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE) over a
 preallocated KV cache, as a short sequence of tensor ops per step, optionally capturing each
 projection's output for the update to replay (:mod:`posttrain.fast.replay`; dense models
 only). The rollout engine ``lean`` drives it."""
@@ -73,7 +73,7 @@ class LeanLlamaDecoder:
     """
 
     ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM",
-             "MixtralForCausalLM", "Qwen2MoeForCausalLM")
+             "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
     @classmethod
     def supports(cls, model) -> bool:
@@ -81,12 +81,14 @@ class LeanLlamaDecoder:
         projections are plain ``nn.Linear`` or LoRA layers over one (the decoder reads
         their weights, merging ``W + s·B·A`` per call; any other wrapper would be missed)
         and whose MLP has no biases (the fused gate/up takes none). A mixture-of-experts
-        layer's block (router, experts, a shared expert) runs as its own module."""
+        layer's block (router, experts, a shared expert) runs as its own module, and
+        Qwen3-MoE's per-head q and k norms as their own modules."""
         return cls._supports(model, moe=True)
 
     @classmethod
     def supports_dense(cls, model) -> bool:
-        """:meth:`supports`, and every layer's MLP a plain SwiGLU (what a capture records)."""
+        """:meth:`supports`, and every layer's MLP a plain SwiGLU and its attention free of
+        q/k norms (what a capture records and the update's replay recomputes)."""
         return cls._supports(model, moe=False)
 
     @classmethod
@@ -103,6 +105,8 @@ class LeanLlamaDecoder:
             return False
         for layer in model.model.layers:
             a, m = layer.self_attn, layer.mlp
+            if hasattr(a, "q_norm") and not moe:
+                return False
             projections = [a.q_proj, a.k_proj, a.v_proj, a.o_proj]
             if _dense_mlp(m):
                 mlp = [m.gate_proj, m.up_proj, m.down_proj]
@@ -146,7 +150,9 @@ class LeanLlamaDecoder:
             self.layers.append((
                 _rms_norm(layer.input_layernorm), (wqk, bqk),
                 (_weight(a.v_proj).t(), a.v_proj.bias), (_weight(a.o_proj).t(), a.o_proj.bias),
-                _rms_norm(layer.post_attention_layernorm), *mlp, a.scaling))
+                _rms_norm(layer.post_attention_layernorm), *mlp, a.scaling,
+                # Qwen3-MoE: RMSNorm over each head of q and of k, before the rotation
+                (_rms_norm(a.q_norm), _rms_norm(a.k_norm)) if hasattr(a, "q_norm") else None))
         k0, _ = _layer_kv(cache, 0)
         P, _, Lp, _ = k0.shape
         N = P * n
@@ -276,7 +282,7 @@ class LeanLlamaDecoder:
         cos, sin = self.cos[at][:, None], self.sin[at][:, None]  # (R, 1, hd)
         bias = self.bias[:, :, :c + 1]  # (R·nh, 1, c+1)
         t = c - self.start  # the completion token fed: capture block t
-        for i, (n1, wqk, wv, wo, n2, wgu, wdown, scaling) in enumerate(self.layers):
+        for i, (n1, wqk, wv, wo, n2, wgu, wdown, scaling, qkn) in enumerate(self.layers):
             out = None
             if self.blocks:
                 out = {k: v[t] if len(v[t]) == R else v[t].narrow(0, 0, R)
@@ -284,7 +290,10 @@ class LeanLlamaDecoder:
             x = n1(h)
             qk = _linear(x, *wqk, out and out["qk"])
             v = _linear(x, *wv, out and out["v"])
-            qk = self._rope(qk.view(R, nh + nkv, hd), cos, sin)  # q and k rotated in one pass
+            qk = qk.view(R, nh + nkv, hd)
+            if qkn is not None:
+                qk = torch.cat([qkn[0](qk[:, :nh]), qkn[1](qk[:, nh:])], dim=1)
+            qk = self._rope(qk, cos, sin)  # q and k rotated in one pass
             self.k[i, :R, :, c] = qk[:, nh:]
             self.v[i, :R, :, c] = v.view(R, nkv, hd)
             K, V = self.k[i, :R, :, :c + 1], self.v[i, :R, :, :c + 1]  # (R, nkv, c+1, hd)
