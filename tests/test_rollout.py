@@ -441,6 +441,13 @@ def _assert_lean_equals_hf(model, tok):
         torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
 
 
+def _tiny_config(tok, kv_heads: int) -> dict:
+    """The config keys of the lean-decoder tests' tiny models: 2 layers, 4 query heads."""
+    return dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=kv_heads,
+                pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+
+
 @pytest.mark.parametrize("model_name", ["tiny", "builtin"])
 def test_lean_decoder_equals_model_forward(tiny_model_dir, model_name):
     """The lean static-cache decoder gives the same tokens and log-probs as decoding through
@@ -462,9 +469,7 @@ def test_lean_decoder_equals_model_forward_gqa_and_bias(tiny_model_dir, arch):
     from posttrain.models import load_tokenizer
 
     tok = load_tokenizer(tiny_model_dir)
-    common = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
-                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
-                  pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    common = _tiny_config(tok, kv_heads=1)
     torch.manual_seed(0)
     if arch == "llama_gqa":
         model = LlamaForCausalLM(LlamaConfig(**common))
@@ -690,9 +695,7 @@ def test_lean_decoder_runs_mixture_of_experts_blocks(tiny_model_dir, arch):
     from posttrain.rollout import Request, SamplingParams, make_engine
 
     tok = load_tokenizer(tiny_model_dir)
-    common = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
-                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    common = _tiny_config(tok, kv_heads=2)
     torch.manual_seed(0)
     if arch == "mixtral":
         model = MixtralForCausalLM(MixtralConfig(**common, num_local_experts=6,

@@ -177,6 +177,48 @@ def moe_dir(request, tmp_path_factory):
     return str(path)
 
 
+def _length_task(tmp_path) -> tuple[str, str]:
+    """Eight prompts and a reward of the completion's length: every group has signal."""
+    import json
+
+    reward = tmp_path / "r.py"
+    reward.write_text("def by_len(prompts, completions, **_):\n"
+                      "    return [float(len(c)) for c in completions]\n")
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}="}) + "\n" for i in range(8)))
+    return str(data), f"{reward}:by_len"
+
+
+def _assert_recorded_as_a_plain_forward_routes(model, ro, every_fed: bool) -> None:
+    """The last token of each of ``ro``'s sequences (never fed) has no recording, every
+    other one has (``every_fed``), and the recording holds the experts a plain forward of the whole
+    sequence chooses wherever the router's k-th and (k+1)-th probabilities are apart by
+    far more than float32 rounding of the two forwards can move them (> 1e-3); at least
+    60% of the tokens are so decisive, so the check is not vacuous."""
+    seqs, _ = ro.sequences()
+    k = model.config.num_experts_per_tok
+    checked = total = 0
+    for i, seq in enumerate(seqs):
+        logits = []
+        hooks = [r.register_forward_hook(lambda m, a, o, got=logits: got.append(o[0]))
+                 for r in routers(model)]
+        with torch.no_grad(), Routing(model, 1, len(seq)) as plain, \
+                plain.call(torch.tensor([0]), torch.ones(1, len(seq)), "record"):
+            model(input_ids=torch.tensor([seq]))
+        for h in hooks:
+            h.remove()
+        fed = len(seq) - 1
+        assert (ro.routing[i, :, fed:] == -1).all()
+        assert not every_fed or (ro.routing[i, :, :fed] >= 0).all()
+        got = ro.routing[i, :, :fed].sort(-1).values
+        want = plain.indices[:, 0, :fed].sort(-1).values
+        p = torch.stack(logits).double().softmax(-1)[:, :fed].sort(-1, descending=True).values
+        decisive = (p[..., k - 1] - p[..., k]) > 1e-3
+        assert torch.equal(got[decisive], want[decisive])
+        checked, total = checked + int(decisive.sum()), total + decisive.numel()
+    assert checked >= 0.6 * total
+
+
 @pytest.mark.parametrize(("replay", "engine"), [("r3", "lean"), ("r3", "hf"), ("r2", "auto"),
                                                 ("none", "auto")])
 def test_grpo_on_a_moe_policy_logs_its_routing(moe_dir, tmp_path, replay, engine):
@@ -191,13 +233,9 @@ def test_grpo_on_a_moe_policy_logs_its_routing(moe_dir, tmp_path, replay, engine
     from posttrain.config import RLConfig
     from posttrain.trainers.online import run_rl
 
-    reward = tmp_path / "r.py"
-    reward.write_text("def by_len(prompts, completions, **_):\n"
-                      "    return [float(len(c)) for c in completions]\n")
-    data = tmp_path / "p.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}="}) + "\n" for i in range(8)))
+    data, reward = _length_task(tmp_path)
     cfg = RLConfig(model=moe_dir, output_dir=str(tmp_path / "run"), max_steps=2,
-                   prompts_per_step=2, data=str(data), reward=f"{reward}:by_len",
+                   prompts_per_step=2, data=data, reward=reward,
                    group_size=4, minibatch_size=4, ppo_epochs=2, max_new_tokens=4,
                    builtin_train_size=16, builtin_eval_size=0, device="cpu",
                    tensorboard=False, temperature=1.5, routing_replay=replay, lr=1e-2,
@@ -254,30 +292,7 @@ def test_the_hf_engine_records_the_experts_it_sampled_with(moe_dir):
                          SamplingParams(max_new_tokens=5, temperature=1.5),
                          extras=frozenset({"routing"}))
     assert ro.routing is not None and ro.routing.shape[:2] == (4, 2)
-    seqs, _ = ro.sequences()
-    k = model.config.num_experts_per_tok
-    checked = total = 0
-    for i, seq in enumerate(seqs):
-        logits = []
-        hooks = [r.register_forward_hook(lambda m, a, o, got=logits: got.append(o[0]))
-                 for r in routers(model)]
-        plain = Routing(model, 1, len(seq))
-        with torch.no_grad(), plain.call(torch.tensor([0]), torch.ones(1, len(seq)), "record"):
-            model(input_ids=torch.tensor([seq]))
-        plain.close()
-        for h in hooks:
-            h.remove()
-        fed = len(seq) - 1  # the last sampled token is never fed
-        assert (ro.routing[i, :, fed:] == -1).all()
-        got = ro.routing[i, :, :fed].sort(-1).values
-        want = plain.indices[:, 0, :fed].sort(-1).values
-        # where the k-th and (k+1)-th experts' probabilities are apart by far more than
-        # float32 rounding of the two forwards can move them, the experts must agree
-        p = torch.stack(logits).double().softmax(-1)[:, :fed].sort(-1, descending=True).values
-        decisive = (p[..., k - 1] - p[..., k]) > 1e-3
-        assert torch.equal(got[decisive], want[decisive])
-        checked, total = checked + int(decisive.sum()), total + decisive.numel()
-    assert checked >= 0.6 * total  # the check is not vacuous
+    _assert_recorded_as_a_plain_forward_routes(model, ro, every_fed=False)
 
 
 def test_the_auxiliary_loss_is_the_familys_own(moe):
@@ -309,16 +324,12 @@ def test_the_auxiliary_loss_switch_trains_the_routers_toward_balance(moe_dir, tm
     from posttrain.config import RLConfig
     from posttrain.trainers.online import run_rl
 
-    reward = tmp_path / "r.py"
-    reward.write_text("def by_len(prompts, completions, **_):\n"
-                      "    return [float(len(c)) for c in completions]\n")
-    data = tmp_path / "p.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}="}) + "\n" for i in range(8)))
+    data, reward = _length_task(tmp_path)
     gates = []
     for coef in (0.0, 1.0):
         out = tmp_path / f"run{coef}"
         cfg = RLConfig(model=moe_dir, output_dir=str(out), max_steps=2, prompts_per_step=2,
-                       data=str(data), reward=f"{reward}:by_len", group_size=4,
+                       data=data, reward=reward, group_size=4,
                        max_new_tokens=4, device="cpu", tensorboard=False, temperature=1.5,
                        lr=1e-2, log_every=1, router_aux_loss_coef=coef, eval_every=0)
         cfg.validate()
@@ -332,19 +343,14 @@ def test_the_auxiliary_loss_switch_trains_the_routers_toward_balance(moe_dir, tm
 
 
 def _moe_trainer(moe_dir, tmp_path, **kw):
-    import json
 
     from posttrain.config import RLConfig
     from posttrain.trainers.online import RLTrainer
 
-    reward = tmp_path / "r.py"
-    reward.write_text("def by_len(prompts, completions, **_):\n"
-                      "    return [float(len(c)) for c in completions]\n")
-    data = tmp_path / "p.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}="}) + "\n" for i in range(8)))
+    data, reward = _length_task(tmp_path)
     cfg = RLConfig(**{"model": moe_dir, "output_dir": str(tmp_path / "run"), "max_steps": 2,
-                      "prompts_per_step": 2, "data": str(data),
-                      "reward": f"{reward}:by_len", "group_size": 4, "max_new_tokens": 4,
+                      "prompts_per_step": 2, "data": data,
+                      "reward": reward, "group_size": 4, "max_new_tokens": 4,
                       "device": "cpu", "tensorboard": False, "temperature": 1.5, "lr": 1e-2,
                       "log_every": 1, "eval_every": 0, **kw})
     cfg.validate()
@@ -431,27 +437,7 @@ def test_an_episodes_recording_covers_every_fed_token_of_its_transcript(moe_dir,
                        extras=frozenset({"routing"}))
     ro = eps.rollout
     assert ro.routing is not None and int(eps.turns.max()) > 1
-    seqs, _ = ro.sequences()
-    k = model.config.num_experts_per_tok
-    checked = total = 0
-    for i, seq in enumerate(seqs):
-        logits = []
-        hooks = [r.register_forward_hook(lambda m, a, o, got=logits: got.append(o[0]))
-                 for r in routers(model)]
-        with torch.no_grad(), Routing(model, 1, len(seq)) as plain, \
-                plain.call(torch.tensor([0]), torch.ones(1, len(seq)), "record"):
-            model(input_ids=torch.tensor([seq]))
-        for h in hooks:
-            h.remove()
-        fed = len(seq) - 1  # every token but the last was fed in some turn
-        assert (ro.routing[i, :, :fed] >= 0).all() and (ro.routing[i, :, fed:] == -1).all()
-        got = ro.routing[i, :, :fed].sort(-1).values
-        want = plain.indices[:, 0, :fed].sort(-1).values
-        p = torch.stack(logits).double().softmax(-1)[:, :fed].sort(-1, descending=True).values
-        decisive = (p[..., k - 1] - p[..., k]) > 1e-3
-        assert torch.equal(got[decisive], want[decisive])
-        checked, total = checked + int(decisive.sum()), total + decisive.numel()
-    assert checked >= 0.6 * total  # the check is not vacuous
+    _assert_recorded_as_a_plain_forward_routes(model, ro, every_fed=True)
 
 
 def test_grpo_with_r3_on_episodes(moe_dir, tmp_path):

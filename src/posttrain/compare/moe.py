@@ -129,8 +129,8 @@ def run_moe_study(out: Path, device: str, seeds: int, limit: list[str], log) -> 
             got = train(algo, str(start), d, seed, limit, device,
                         [*MOE_RL, "--routing_replay", replay])
             rows = [r for r in got["rows"] if "train/ratio_max" in r]
-            final = scorer(d / "final")
-            moved = routing_moved(scorer.start, scorer.load(d / "final"), probe)
+            model = scorer.load(d / "final")
+            final, moved = scorer(model), routing_moved(scorer.start, model, probe)
             study["runs"][name].append({**final, **_moe_metrics(rows),
                                         "routing_moved": moved, "wall_s": got["wall_s"]})
             r = study["runs"][name][-1]
@@ -143,18 +143,7 @@ def run_moe_study(out: Path, device: str, seeds: int, limit: list[str], log) -> 
 def _probe(scorer: Scorer) -> dict:
     """The held-out prompts with the start's greedy completions: the tokens
     :func:`routing_moved` routes (the same for every run)."""
-    import torch
-
-    from posttrain.data import pad_sequences
-    from posttrain.rollout import SamplingParams, generate
-
-    prompts = [r["prompt"] for r in scorer.rows]
-    with torch.no_grad():
-        r = generate(scorer.start, scorer.tok, prompts, params=SamplingParams(
-            temperature=0.0, max_new_tokens=8), engine="hf")
-    ids = [scorer.tok(p)["input_ids"] for p in prompts]
-    comp = [c[:n].tolist() for c, n in zip(r.completion_ids, r.lengths, strict=True)]
-    return pad_sequences(ids, comp, scorer.tok.pad_token_id)
+    return scorer.samples(scorer.start, 0.0, engine="hf")
 
 
 def routing_moved(start, final, batch: dict) -> float:

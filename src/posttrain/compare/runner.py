@@ -96,23 +96,36 @@ class Scorer:
 
         return load_causal_lm(str(model_dir), device=self.device).eval()
 
-    def __call__(self, model_dir: str | Path) -> dict[str, float]:
+    def samples(self, model, temperature: float, generator=None, engine: str = "auto"
+                ) -> dict:
+        """The held-out prompts each with one completion of ``model`` (up to 8 tokens, at
+        ``temperature``; 0 is greedy), padded as a batch (on the CPU)."""
         import torch
 
         from posttrain.data import pad_sequences
-        from posttrain.evaluate import evaluate_policy
-        from posttrain.models import completion_logprobs
         from posttrain.rollout import SamplingParams, generate
 
-        model = self.load(model_dir)
-        result = evaluate_policy(model, self.tok, self.rows, self.reward, max_new_tokens=8)
         prompts = [r["prompt"] for r in self.rows]
         with torch.no_grad():
             r = generate(model, self.tok, prompts, n=1, params=SamplingParams(
-                temperature=1.0, max_new_tokens=8), generator=torch.Generator().manual_seed(0))
-            ids = [self.tok(p)["input_ids"] for p in prompts]
-            comp = [c[:n].tolist() for c, n in zip(r.completion_ids, r.lengths, strict=True)]
-            b = pad_sequences(ids, comp, self.tok.pad_token_id)
+                temperature=temperature, max_new_tokens=8), generator=generator,
+                engine=engine)
+        ids = [self.tok(p)["input_ids"] for p in prompts]
+        comp = [c[:n].tolist() for c, n in zip(r.completion_ids, r.lengths, strict=True)]
+        return pad_sequences(ids, comp, self.tok.pad_token_id)
+
+    def __call__(self, model) -> dict[str, float]:
+        """The scores of ``model``: a directory, or a model :meth:`load` returned."""
+        import torch
+
+        from posttrain.evaluate import evaluate_policy
+        from posttrain.models import completion_logprobs
+
+        if isinstance(model, (str, Path)):
+            model = self.load(model)
+        result = evaluate_policy(model, self.tok, self.rows, self.reward, max_new_tokens=8)
+        with torch.no_grad():
+            b = self.samples(model, 1.0, torch.Generator().manual_seed(0))
             b = {k: v.to(model.device) for k, v in b.items()}
             lp = [completion_logprobs(m, b["input_ids"], b["attention_mask"], b["loss_mask"])
                   for m in (model, self.start)]

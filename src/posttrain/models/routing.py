@@ -55,7 +55,37 @@ def aux_coef(model, given: float | None) -> float:
     return float(given)
 
 
-class RouterLosses:
+def family_aux_loss(router, logits: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+    """The family's own auxiliary load-balancing loss (``load_balancing_loss_func`` of
+    ``router``'s modeling module) over one forward's router ``logits`` (every router's, in
+    order) and its real tokens ``mask`` ``(B, T)``."""
+    import sys
+
+    fn = getattr(sys.modules[type(router).__module__], "load_balancing_loss_func", None)
+    if fn is None:
+        raise ValueError(f"{type(router).__name__}'s family defines no auxiliary loss")
+    return fn(tuple(logits), logits[0].shape[-1], router.top_k, mask.long())
+
+
+class _Hooks:
+    """What holds forward hooks (``self._hooks``): closing (or leaving it as a context
+    manager) removes them."""
+
+    _hooks: list
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class RouterLosses(_Hooks):
     """The family's auxiliary load-balancing loss of the forwards run inside it that record
     gradients (a reference pass under ``no_grad`` is left out), whatever calls them: hooks
     on the routers keep each forward's router logits, and a hook on the decoder stack its
@@ -92,31 +122,20 @@ class RouterLosses:
             self._calls[-1][1].append(output[0])
 
     def loss(self) -> torch.Tensor | None:
-        import sys
-
-        router = self.routers[0]
-        fn = getattr(sys.modules[type(router).__module__], "load_balancing_loss_func", None)
-        if fn is None:
-            raise ValueError(f"{type(router).__name__}'s family defines no auxiliary loss")
         total, weight = None, 0.0
         for mask, logits in self._calls:
             if mask is None or not logits:
                 continue
             n = float(mask.sum())
-            term = fn(tuple(logits), logits[0].shape[-1], router.top_k, mask.long()) * n
+            term = family_aux_loss(self.routers[0], logits, mask) * n
             total, weight = (term, n) if total is None else (total + term, weight + n)
         return None if total is None else total / max(weight, 1.0)
 
-    def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+def _stat_fields(router) -> tuple[tuple[str, int], ...]:
+    """The per-router statistics :meth:`Routing.metrics` reads, and their sizes."""
+    E = router.weight.shape[0]
+    return (("counts", E), ("prob_sum", E), ("entropy_sum", 1), ("tokens", 1))
 
 
 def replay_scores(router, logits: torch.Tensor, indices: torch.Tensor, dtype) -> torch.Tensor:
@@ -130,7 +149,7 @@ def replay_scores(router, logits: torch.Tensor, indices: torch.Tensor, dtype) ->
     return top.to(dtype)
 
 
-class Routing:
+class Routing(_Hooks):
     """Recorded routing of ``rows`` sequences of up to ``width`` positions through
     ``model``'s routers (see the module docstring). Close it (or use it as a context
     manager) to remove its hooks."""
@@ -222,17 +241,9 @@ class Routing:
         """The auxiliary load-balancing loss of the last forward, as the model's family
         defines it (its ``load_balancing_loss_func`` over every router's logits, the real
         tokens only), differentiable; None without collected logits. Clears them."""
-        import sys
-
         logits, mask = self._logits, self._mask
         self._logits, self._mask = [], None
-        if not logits:
-            return None
-        router = self.routers[0]
-        fn = getattr(sys.modules[type(router).__module__], "load_balancing_loss_func", None)
-        if fn is None:
-            raise ValueError(f"{type(router).__name__}'s family defines no auxiliary loss")
-        return fn(tuple(logits), logits[0].shape[-1], router.top_k, mask.long())
+        return family_aux_loss(self.routers[0], logits, mask) if logits else None
 
     def load(self, recorded: torch.Tensor) -> None:
         """Take a rollout's recording (``(rows, routers, positions, k)``, -1 where none, as
@@ -263,11 +274,9 @@ class Routing:
         and given back with :meth:`set_accumulators`."""
         out: list[float] = []
         for i, r in enumerate(self.routers):
-            E, st = r.weight.shape[0], self._stats[i]
             out += [self.differ[i], self.counted[i]]
-            for key, size in (("counts", E), ("prob_sum", E), ("entropy_sum", 1),
-                              ("tokens", 1)):
-                v = st.get(key)
+            for key, size in _stat_fields(r):
+                v = self._stats[i].get(key)
                 out += ([0.0] * size if v is None else
                         torch.as_tensor(v, dtype=torch.float64).reshape(-1).tolist())
         return out
@@ -275,17 +284,15 @@ class Routing:
     @staticmethod
     def no_accumulators(model) -> list[float]:
         """:meth:`accumulators` of a rank that ran no routed forward: zeros."""
-        return [0.0] * sum(2 + 2 * r.weight.shape[0] + 2 for r in routers(model))
+        return [0.0] * sum(2 + sum(n for _, n in _stat_fields(r)) for r in routers(model))
 
     def set_accumulators(self, flat: list[float]) -> None:
         at = 0
         for i, r in enumerate(self.routers):
-            E = r.weight.shape[0]
             self.differ[i], self.counted[i] = flat[at], flat[at + 1]
             at += 2
             st = {}
-            for key, size in (("counts", E), ("prob_sum", E), ("entropy_sum", 1),
-                              ("tokens", 1)):
+            for key, size in _stat_fields(r):
                 v = torch.tensor(flat[at:at + size], dtype=torch.float64)
                 st[key] = v if size > 1 else v[0]
                 at += size
@@ -329,19 +336,8 @@ class Routing:
         self.counted = [0.0] * len(self.routers)
         return out
 
-    def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-class RolloutRecorder:
+class RolloutRecorder(_Hooks):
     """The experts each sampled sequence's tokens went to while an in-process engine decoded
     it (R3): hooks on the sampler's routers, told before each forward which rows and
     sequence positions its tokens are (:meth:`prefill`, :meth:`step`). :meth:`result` is
@@ -392,8 +388,3 @@ class RolloutRecorder:
     def result(self) -> torch.Tensor:
         self.close()
         return self.out.cpu()
-
-    def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []

@@ -157,6 +157,11 @@ def compaction(live: torch.Tensor) -> torch.Tensor:
     return rows
 
 
+def _past_lengths(past: list | None, P: int) -> list[int]:
+    """Per prompt, the tokens of it whose keys and values ``past`` holds (0 without)."""
+    return [0] * P if past is None else [0 if kv is None else kv[0].shape[2] for kv in past]
+
+
 def _prefill(model, prompt_ids: list[list[int]], n: int, pad_id: int, device,
              past: list | None = None):
     """The prompts' forward, left-padded so every prompt ends at the last column: their KV
@@ -165,8 +170,7 @@ def _prefill(model, prompt_ids: list[list[int]], n: int, pad_id: int, device,
     the keys and values ``(layers, kv heads, L, head dim)`` of its first L tokens (kept
     from the previous call, :meth:`DecodingEngine.reusing_prefixes`): only the rest is
     run, over a cache of those (left-padded; the mask has a hole between the two parts)."""
-    lengths = [0] * len(prompt_ids) if past is None else [
-        0 if kv is None else kv[0].shape[2] for kv in past]
+    lengths = _past_lengths(past, len(prompt_ids))
     ids, mask = pad_left([p[k:] for p, k in zip(prompt_ids, lengths, strict=True)], pad_id)
     ids, mask = ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp_min(0)
@@ -360,10 +364,9 @@ class DecodingEngine(RolloutEngine):
             if routing.is_moe(model):
                 recorder = routing.RolloutRecorder(model, [len(p) for p in prompt_ids], n,
                                                    Lp + T)
-                held = [0 if past is None or kv is None else kv[0].shape[2]
-                        for kv in (past or [None] * P)]
-                recorder.prefill(max(len(p) - h for p, h in zip(prompt_ids, held,
-                                                                strict=True)), held)
+                run = _past_lengths(past, P)  # (the prefill runs what is not held)
+                recorder.prefill(max(len(p) - h for p, h in zip(prompt_ids, run,
+                                                                strict=True)), run)
         cache, logits, mask, next_pos = _prefill(model, prompt_ids, n, pad_id, device, past)
         Lp = mask.shape[1]  # the cache's columns before decoding (with a reused past)
         extras = extras & self.extras
