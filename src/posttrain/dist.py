@@ -128,16 +128,28 @@ def sum_gradients(params: list[torch.nn.Parameter]) -> None:
             offset += n
 
 
-def gather_objects(obj) -> list:
+def gather_objects(obj, group=None) -> list:
     """Every rank's ``obj``, in rank order (``[obj]`` for a world of one). For small
-    things: a step's token ids, scores and texts, a dict of metric sums."""
+    things: a step's token ids, scores and texts, a dict of metric sums. ``group``: a
+    process group of every rank other than the default one (:func:`side_group`)."""
     if world_size() == 1:
         return [obj]
     import torch.distributed as td
 
     out: list = [None] * world_size()
-    td.all_gather_object(out, obj)
+    td.all_gather_object(out, obj, group=group)
     return out
+
+
+def side_group():
+    """A second group of every rank (gloo), for collectives another thread runs while the
+    main thread's run on the default group; None for a world of one. Every rank calls it,
+    at the same point."""
+    if world_size() == 1:
+        return None
+    import torch.distributed as td
+
+    return td.new_group(backend="gloo")
 
 
 def assemble(local: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:

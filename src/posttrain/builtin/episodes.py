@@ -22,6 +22,7 @@ trains it; its start is ``--model builtin-episodes`` (this SFT, shipped; rebuilt
 from __future__ import annotations
 
 import random
+import time
 
 from posttrain.builtin import task
 
@@ -30,18 +31,24 @@ ASK = "?"
 
 class LookupEnv:
     """``row``: ``{"a": int, "b": int, "answer": str}``. ``withhold=True`` answers the
-    question with ``?`` (the ablation that shows the information is needed)."""
+    question with ``?`` (the ablation that shows the information is needed).
+    ``latency_s``: every step waits this long first, as an environment behind a sandbox or
+    a remote service does (the asynchronous benchmark's slow environment)."""
 
-    def __init__(self, row: dict, withhold: bool = False, wrong_answer_reward: float = 0.0):
+    def __init__(self, row: dict, withhold: bool = False, wrong_answer_reward: float = 0.0,
+                 latency_s: float = 0.0):
         self.a, self.b, self.answer = int(row["a"]), int(row["b"]), str(row["answer"])
         self.withhold = withhold
         self.wrong = float(wrong_answer_reward)
+        self.latency_s = float(latency_s)
         self.asked = False
 
     def reset(self) -> str:
         return f"{self.a}+{ASK}"
 
     def step(self, text: str):
+        if self.latency_s > 0:
+            time.sleep(self.latency_s)
         if text.strip() == ASK and not self.asked:
             self.asked = True
             return {"role": "tool", "content": ASK if self.withhold else str(self.b)}, 0.0, False

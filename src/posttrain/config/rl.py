@@ -48,6 +48,11 @@ class RLConfig(RunConfig):
     """env: keyword arguments of the environment class, as a JSON object."""
     env_timeout: float = 30.0
     """env: seconds an environment's reset or step may take; 0 = no limit."""
+    env_workers: int = 1
+    """env: environment calls of one turn run on this many threads at once (an environment
+    that waits on a sandbox, a tool or a remote service); 1 = one after another. Results
+    are taken in episode order, so the run does not depend on it, provided the
+    environment's instances share no state."""
     max_turns: int = 4
     """env: most assistant turns per episode (an episode still running then is truncated)."""
     max_episode_tokens: int = 256
@@ -137,8 +142,8 @@ class RLConfig(RunConfig):
     rollout_correction: str = "auto"
     """Mismatch correction by the importance weight π_old/π_behaviour of the sampled tokens:
     none, token_truncate, token_mask, sequence_truncate, sequence_mask, icepop; auto = none
-    for the exact engines (lean, hf in the trainer's dtype), token_truncate for vllm or a
-    rollout_dtype of its own (docs/engines.md)."""
+    for the exact engines (lean, hf in the trainer's dtype), token_truncate for vllm, a
+    rollout_dtype of its own or async_staleness > 0 (docs/engines.md)."""
     rollout_correction_low: float | None = None
     """Lower bound of the masks (token_mask, sequence_mask, icepop); none = the mode's
     default."""
@@ -180,6 +185,17 @@ class RLConfig(RunConfig):
     """With fast: the sampler's log-sum-exp and entropy at each token stand in for the
     forward of a fused head (large vocabularies, float32) in those passes, one of its four
     vocabulary-sized matmuls; unsharded, no dropout; false = recompute."""
+    async_staleness: int = 0
+    """Asynchronous rollouts (docs/async.md): a producer thread samples step s's batch with
+    the policy of step s-1-K while the learner trains steps s-K..s-1, so sampling and
+    training overlap; no sample is more than K versions old. The loss then takes the
+    learner's own pass as the proximal policy and corrects for the behaviour policy
+    (decoupled PPO; rollout_correction auto = token_truncate). 0 = the synchronous loop."""
+    partial_rollouts: bool = False
+    """With async_staleness and episodes: an episode in flight when a newer policy is
+    published continues its next turns under it (each token's behaviour log-prob and
+    version from the weights that sampled it). Faster to pick up new weights; the run then
+    depends on timing, so it is not reproducible (docs/async.md)."""
     eval_every: int = 20
     warmup_ratio: float = 0.0
     lr_schedule: str = "constant"
@@ -201,6 +217,7 @@ class RLConfig(RunConfig):
                "rollout_backend must be auto, hf, lean or vllm")
         self._check_engine()
         self._check_env()
+        self._check_async()
         check(self.routing_replay in ("none", "r2", "r3"),
               "routing_replay must be none, r2 or r3")
         if self.routing_replay == "r3":
@@ -261,8 +278,8 @@ class RLConfig(RunConfig):
 
     def _check_env(self) -> None:
         if not self.env and not self.tools:
-            self.refuse(("env_kwargs", "env_timeout", "max_turns", "max_episode_tokens",
-                         "tool_error_reward"),
+            self.refuse(("env_kwargs", "env_timeout", "env_workers", "max_turns",
+                         "max_episode_tokens", "tool_error_reward", "partial_rollouts"),
                         "single-turn runs (they set the episodes of --env or --tools)")
             return
         check(not (self.env and self.tools), "--env and --tools are two environments; "
@@ -272,8 +289,9 @@ class RLConfig(RunConfig):
         check(self.env == "builtin" or self.data is not None,
               f"--{'env' if self.env else 'tools'} {self.env or self.tools} needs --data: "
               "the rows its episodes are made from")
-        check(self.max_turns >= 1 and self.max_episode_tokens >= 1 and self.env_timeout >= 0,
-              "max_turns and max_episode_tokens must be ≥ 1 and env_timeout ≥ 0")
+        check(self.max_turns >= 1 and self.max_episode_tokens >= 1 and self.env_timeout >= 0
+              and self.env_workers >= 1, "max_turns, max_episode_tokens and env_workers must "
+              "be ≥ 1 and env_timeout ≥ 0")
         from posttrain.episodes.env import parse_kwargs
 
         try:
@@ -282,6 +300,13 @@ class RLConfig(RunConfig):
             raise ConfigError(str(e)) from None
         if self.env == "builtin" and self.model == "builtin":
             self.model = "builtin-episodes"  # the built-in model SFT'd on the task's protocol
+
+    def _check_async(self) -> None:
+        check(self.async_staleness >= 0, f"async_staleness must be ≥ 0 (0 = synchronous), "
+              f"got {self.async_staleness}")
+        if not self.async_staleness:
+            self.refuse(("partial_rollouts",), "the synchronous loop (async_staleness 0): a "
+                        "rollout there never sees the weights change")
 
     def _check_engine(self) -> None:
         from posttrain.core.correction import CORRECTIONS
@@ -313,7 +338,8 @@ class RLConfig(RunConfig):
 
         mode = self.rollout_correction
         if mode == "auto":
-            exact = self.rollout_backend != "vllm" and not self.samples_in_own_dtype
+            exact = (self.rollout_backend != "vllm" and not self.samples_in_own_dtype
+                     and not self.async_staleness)
             mode = "none" if exact else "token_truncate"
         bounds = {k: v for k, v in (("low", self.rollout_correction_low),
                                     ("high", self.rollout_correction_high)) if v is not None}

@@ -80,7 +80,8 @@ def _timed(fn, timeout: float, *args):
     if not timeout:
         return fn(*args)
     if _POOL is None:
-        _POOL = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="posttrain-env")
+        # (room for the calls of one turn run at once: env_workers)
+        _POOL = concurrent.futures.ThreadPoolExecutor(64, thread_name_prefix="posttrain-env")
     future = _POOL.submit(fn, *args)
     try:
         return future.result(timeout)

@@ -17,6 +17,7 @@ single-turn rollout (a single turn is the one-turn episode).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import time
 from dataclasses import dataclass, field
@@ -87,6 +88,8 @@ class _Live:
     valid: bool = True
     env_s: float = 0.0
     version: int = 0
+    versions: list[int] = field(default_factory=list)
+    """The policy version of each token (an environment message's: its turn's)."""
     routing: torch.Tensor | None = None
     """(routers, positions, k): the experts each fed token went to, over the turns (-1
     where none: a token never fed)."""
@@ -96,7 +99,8 @@ def run_episodes(engine, tokenizer, spec: EnvSpec, rows: list[dict], n: int,
                  seeds: list[int | None], params: SamplingParams, limits: EpisodeLimits,
                  on_error: str = "raise", renderer: Renderer | None = None,
                  max_length: int | None = None, reuse: bool = True,
-                 extras: frozenset[str] = frozenset()) -> Episodes:
+                 extras: frozenset[str] = frozenset(), workers: int = 1,
+                 before_turn=None) -> Episodes:
     """``n`` episodes of each row (rows of one row contiguous, as a rollout's groups): row
     ``i``'s episode ``j`` samples turn ``t`` from ``stream_seed(sample_seed(seeds[i], j),
     "turn", t)`` (None: the engine's own randomness). ``on_error``: ``raise`` an
@@ -105,7 +109,10 @@ def run_episodes(engine, tokenizer, spec: EnvSpec, rows: list[dict], n: int,
     (:meth:`~posttrain.rollout.RolloutEngine.reusing_prefixes`); False re-encodes them.
     ``extras``: ``routing`` keeps, for a mixture-of-experts sampler, the experts every fed
     token of the transcript went to (each turn's call records the tokens it runs), as the
-    rollout's ``routing``."""
+    rollout's ``routing``. ``workers``: the environments' calls of one turn run on this
+    many threads at once (their results taken in episode order). ``before_turn(turn)``:
+    called before every turn after the first (partial rollouts: the engine may take newer
+    weights there; each token keeps the version that sampled it, ``Rollout.versions``)."""
     renderer = renderer or Renderer(tokenizer)
     errors: list[str] = []
     live: list[_Live] = []
@@ -132,17 +139,36 @@ def run_episodes(engine, tokenizer, spec: EnvSpec, rows: list[dict], n: int,
             live.append(_Live(ep, prompt, messages=[msg], env_s=time.perf_counter() - t0))
     with engine.reusing_prefixes() if reuse else contextlib.nullcontext():
         _turns(engine, tokenizer, live, n, seeds, params, limits, on_error, renderer, errors,
-               extras)
+               extras, workers, before_turn)
     return _collect(live, tokenizer, n, errors)
 
 
+def _steps(live: list[_Live], outs: dict[int, tuple], running: list[int], workers: int
+           ) -> dict[int, tuple | EnvError]:
+    """Each running episode's environment step on its turn's text: ``(message, reward,
+    done)``, or the :class:`EnvError` it raised; on ``workers`` threads at once."""
+    def one(k: int):
+        try:
+            return live[k].episode.step(outs[k][2])
+        except EnvError as err:
+            return err
+
+    if workers <= 1 or len(running) <= 1:
+        return {k: one(k) for k in running}
+    with concurrent.futures.ThreadPoolExecutor(min(workers, len(running)),
+                                               thread_name_prefix="posttrain-env") as pool:
+        return dict(zip(running, pool.map(one, running), strict=True))
+
+
 def _turns(engine, tokenizer, live, n, seeds, params, limits, on_error, renderer, errors,
-           extras=frozenset()):
+           extras=frozenset(), workers=1, before_turn=None):
     """Every episode of ``live`` to its end, one engine call per turn."""
     for turn in range(limits.max_turns):
         running = [k for k, e in enumerate(live) if not e.done]
         if not running:
             break
+        if before_turn is not None and turn:
+            before_turn(turn)
         # each episode's turn budget: max_new_tokens, or what its episode has left (one
         # call per distinct budget; a sample's draws depend on its seed alone)
         budget = {k: min(params.max_new_tokens, limits.max_episode_tokens - len(live[k].tokens))
@@ -163,28 +189,31 @@ def _turns(engine, tokenizer, live, n, seeds, params, limits, on_error, renderer
                 m = out.completion_mask[j].bool()
                 outs[k] = (out.completion_ids[j][m].tolist(), out.logprobs[j][m].tolist(),
                            out.texts[j], out.policy_version)
+        t0 = time.perf_counter()
+        stepped = _steps(live, outs, running, workers)
+        env_s = (time.perf_counter() - t0) / len(running)  # (each episode its share)
         for k in running:
             e = live[k]
-            ids, lps, text, e.version = outs[k]
+            ids, lps, text, version = outs[k]
+            e.version = min(e.version, version) if e.turns else version
             # the turn ended with eos (not at its budget, nor at a stop string, after which
             # the template's closing, eos included, is appended untrained)
             ended = bool(ids) and ids[-1] == tokenizer.eos_token_id
             e.tokens += ids
             e.mask += [1] * len(ids)
             e.logps += lps
+            e.versions += [version] * len(ids)
             e.turns += 1
             e.messages.append({"role": "assistant", "content": text})
-            t0 = time.perf_counter()
-            try:
-                message, reward, done = e.episode.step(text)
-            except EnvError as err:
+            e.env_s += env_s
+            got = stepped[k]
+            if isinstance(got, EnvError):
                 if on_error != "skip":
-                    raise
-                errors.append(str(err))
+                    raise got
+                errors.append(str(got))
                 e.done, e.valid = True, False
                 continue
-            finally:
-                e.env_s += time.perf_counter() - t0
+            message, reward, done = got
             e.ret += reward
             if done:
                 e.done = True
@@ -202,6 +231,7 @@ def _turns(engine, tokenizer, live, n, seeds, params, limits, on_error, renderer
             e.tokens += nxt
             e.mask += [0] * len(nxt)
             e.logps += [0.0] * len(nxt)
+            e.versions += [version] * len(nxt)
 
 
 def _record(e: _Live, got: torch.Tensor) -> None:
@@ -245,6 +275,7 @@ def _collect(live: list[_Live], tokenizer, n: int, errors: list[str]) -> Episode
     present = torch.zeros(N, T, dtype=torch.long)
     loss = torch.zeros(N, T, dtype=torch.long)
     logps = torch.zeros(N, T)
+    versions = torch.zeros(N, T, dtype=torch.long)
     for k, e in enumerate(live):
         L = len(e.tokens)
         if L:
@@ -252,6 +283,7 @@ def _collect(live: list[_Live], tokenizer, n: int, errors: list[str]) -> Episode
             present[k, :L] = 1
             loss[k, :L] = torch.tensor(e.mask)
             logps[k, :L] = torch.tensor(e.logps)
+            versions[k, :L] = torch.tensor(e.versions)
     texts = tokenizer.batch_decode(ids, skip_special_tokens=True)  # (pad past each one)
     stats = {"turns": torch.tensor([float(e.turns) for e in live], dtype=torch.float64),
              "env_s": torch.tensor([e.env_s for e in live], dtype=torch.float64)}
@@ -264,6 +296,8 @@ def _collect(live: list[_Live], tokenizer, n: int, errors: list[str]) -> Episode
                       group_ids=torch.arange(N) // n, texts=texts,
                       loss_mask=loss, stats=stats,
                       policy_version=min((e.version for e in live), default=0))
+    if len({v for e in live for v in e.versions}) > 1:  # (partial rollouts)
+        rollout.versions = versions
     if any(e.routing is not None for e in live):
         rollout.routing = _routing(live, max(len(e.prompt) for e in live) + T)
     return Episodes(rollout, torch.tensor([e.ret for e in live], dtype=torch.float64),

@@ -28,6 +28,18 @@ def attention_for_keys(model: PreTrainedModel, keys: int) -> str:
         model.set_attn_implementation(impl)
     return impl
 
+def _pick(model, module, args, kwargs) -> None:
+    """The pre-hook: the implementation for this call's key length (cached + new)."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if ids is None:
+        ids = kwargs.get("inputs_embeds")
+    if ids is None:
+        return
+    cache = kwargs.get(model._posttrain_cache_kwarg, kwargs.get("past_key_values"))
+    past = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
+    attention_for_keys(model, past + ids.shape[1])
+
+
 def eager_attention_for_short_inputs(model: PreTrainedModel) -> bool:
     """On the CPU, have a model that uses SDPA attention switch to its eager attention for
     every forward call whose key length (cached positions + new ones) is at most
@@ -44,20 +56,11 @@ def eager_attention_for_short_inputs(model: PreTrainedModel) -> bool:
             or not hasattr(model, "set_attn_implementation")
             or getattr(model, "_posttrain_short_eager", False)):
         return False
-    kwarg = cache_kwarg(base)
-
-    def pick(module, args, kwargs):
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        if ids is None:
-            ids = kwargs.get("inputs_embeds")
-        if ids is None:
-            return
-        cache = kwargs.get(kwarg, kwargs.get("past_key_values"))
-        past = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
-        attention_for_keys(model, past + ids.shape[1])
-
     model._posttrain_short_eager = True
+    model._posttrain_cache_kwarg = cache_kwarg(base)
     # the shared-prompt layouts build their mask for the implementation a call will use
     model.posttrain_attention_for_keys = types.MethodType(attention_for_keys, model)
-    base.register_forward_pre_hook(pick, with_kwargs=True)
+    # a method of the model, not a closure over it: a deep copy of the model (a sampler's
+    # own copy) then switches its own attention, not the original's
+    base.register_forward_pre_hook(types.MethodType(_pick, model), with_kwargs=True)
     return True

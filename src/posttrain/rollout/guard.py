@@ -92,14 +92,22 @@ class SyncGuard:
         self.tolerance = max(self.floor, 32.0 * self.baseline)
         """The bound at the start's logits; :meth:`check` scales it with the logits now."""
 
-    def check(self, model, step: int) -> dict[str, float]:
-        """Raise :class:`SyncMismatch` when the engine disagrees with ``model``; else the
-        metrics ``sync/gap_mean``, ``sync/gap_max``, ``sync/tolerance``, ``time/guard_s``."""
-        t0 = time.perf_counter()
+    def expect(self, model) -> tuple[list[torch.Tensor], float]:
+        """``model``'s log-probs of the probe and its largest |logit|: what :meth:`check`
+        compares the engine with (taken apart when the engine loads those weights later, on
+        another thread: asynchronous rollouts)."""
         scale: list[float] = []
         ours = trainer_logprobs(model, self.sequences, self.prompt_lens, scale)
+        return ours, max(scale, default=0.0)
+
+    def check(self, model, step: int, expected: tuple | None = None) -> dict[str, float]:
+        """Raise :class:`SyncMismatch` when the engine disagrees with ``model`` (or with
+        ``expected``, :meth:`expect` of the weights the engine was given); else the
+        metrics ``sync/gap_mean``, ``sync/gap_max``, ``sync/tolerance``, ``time/guard_s``."""
+        t0 = time.perf_counter()
+        ours, scale = expected if expected is not None else self.expect(model)
         mean, worst = gap(self.engine.score(self.sequences, self.prompt_lens), ours)
-        tol = self.tolerance * (1.0 + max(scale, default=0.0)) / (1.0 + self.scale0)
+        tol = self.tolerance * (1.0 + scale) / (1.0 + self.scale0)
         if not mean <= tol:
             raise SyncMismatch(
                 f"step {step}: after the weight sync the {self.engine.name} engine's "

@@ -92,6 +92,10 @@ class Rollout:
     """(N, routers, positions, k) the experts each token of a sample's sequence (prompt
     from position 0, then the completion) went to while sampling, -1 where none was
     recorded (mixture-of-experts samplers asked for ``routing``; R3)."""
+    versions: torch.Tensor | None = None
+    """(N, Tc) the policy version that sampled each completion token, where they differ
+    within a sample (partial rollouts: an episode's later turns under newer weights); None:
+    every token is ``policy_version``'s."""
     stats: dict[str, torch.Tensor] | None = None
     """Per-sample numbers ``(N,)`` the step's metrics average (an episode's turns, its
     environment's seconds and counters); None for none."""
@@ -131,6 +135,7 @@ def select(r: Rollout, rows: torch.Tensor) -> Rollout:
                    loss_mask=None if r.loss_mask is None else r.loss_mask[rows],
                    stats=None if r.stats is None else {k: v[rows] for k, v in r.stats.items()},
                    routing=None if r.routing is None else r.routing[rows],
+                   versions=None if r.versions is None else r.versions[rows],
                    cache=None if r.cache is None else r.cache.rows(rows))
 
 def concat(rollouts: list[Rollout], pad_id: int, width: int = 0) -> Rollout:
@@ -159,6 +164,10 @@ def concat(rollouts: list[Rollout], pad_id: int, width: int = 0) -> Rollout:
                    torch.cat([pad(r.trained_mask, 0) for r in rollouts])),
         stats=_concat_stats(rollouts),
         routing=_concat_routing([r.routing for r in rollouts]),
+        versions=(None if all(r.versions is None for r in rollouts) else
+                  torch.cat([pad(r.versions if r.versions is not None else
+                                 torch.full_like(r.completion_ids, r.policy_version), 0)
+                             for r in rollouts])),
         cache=_concat_caches([r.cache for r in rollouts], T))
 
 

@@ -25,6 +25,7 @@ def save_checkpoint(path: Path, job: Job, step: int, window: Window, run_id: str
     check_finite_weights(job.models(), step)
     states = full_states(job)  # sharded models: gathered on rank 0 (every rank takes part)
     optimizer_states = [o.state_for_save() for o in job.optimizers]
+    meta, tensors = job.state()  # (every rank: a job may gather its ranks' parts)
     if not dist.is_main():
         dist.barrier()  # rank 0 writes; every rank goes on once it has
         return
@@ -34,7 +35,6 @@ def save_checkpoint(path: Path, job: Job, step: int, window: Window, run_id: str
         for o, sd in zip(job.optimizers, optimizer_states, strict=True):
             ckpt.save_optimizer(sd, tmp / f"optimizer-{o.name}")
         rng_meta, rng_tensors = ckpt.rng_state()
-        meta, tensors = job.state()
         save_file({**{f"rng.{k}": v for k, v in rng_tensors.items()},
                    **{f"job.{k}": v.contiguous() for k, v in tensors.items()}},
                   str(tmp / "state.safetensors"))

@@ -80,6 +80,12 @@ class ExperienceMaker:
                 self.env, tools = EnvSpec.parse(cfg.env, cfg.env_kwargs, cfg.env_timeout), None
             self.limits = EpisodeLimits(cfg.max_turns, cfg.max_episode_tokens)
             self.renderer = Renderer(tokenizer, tools)
+        self.before_turn = None
+        """Called before each turn of an episode after its first (partial rollouts: the
+        producer's chance to take newer weights), or None."""
+        self.group = None
+        """The process group of the round's gather (None: the default one; the producer
+        of asynchronous rollouts gathers on a group of its own)."""
         self.completion = "answer" if getattr(cfg, "tools", None) else "transcript"
         """What the reward terms score of an episode: its last turn (tools), or the whole
         transcript."""
@@ -125,7 +131,8 @@ class ExperienceMaker:
 
             eps = run_episodes(self.engine, self.tok, self.env, rows, n, seeds, params,
                                self.limits, self.cfg.on_reward_error, self.renderer,
-                               self.cfg.max_length, extras=extras & {"routing"})
+                               self.cfg.max_length, extras=extras & {"routing"},
+                               workers=self.cfg.env_workers, before_turn=self.before_turn)
             rollout = eps.rollout
         t1 = time.perf_counter()
         scored = self.score(rows, rollout, n, eps)
@@ -251,7 +258,7 @@ class ExperienceMaker:
         if dist.world_size() == 1:
             return local, scored, own
         cache, local.cache = local.cache, None
-        gathered = dist.gather_objects((local, scored))
+        gathered = dist.gather_objects((local, scored), self.group)
         local.cache = cache
         world, want = dist.world_size(), self.cfg.prompts_per_step
         # rank r's k-th group is slot k·world + r

@@ -19,12 +19,14 @@ def sampler_module(cfg, policy, sharded: bool):
     merges the adapters into its per-call weights), or a plain copy of it that each sync
     overwrites from the weight stream, where the run is sharded (the copy in the run's
     dtype, not FSDP's masters') or ``rollout_dtype`` asks for another dtype (the copy in
-    that one); with LoRA the copy's adapted layers are merged, as the stream sends them.
+    that one), or rollouts are asynchronous (the engine samples from an older version while
+    the learner updates); with LoRA the copy's adapted layers are merged, as the stream
+    sends them.
     None for vllm: the engine holds its own copy."""
     if cfg.rollout_backend == "vllm":
         return None
     dtype = getattr(torch, cfg.rollout_dtype if cfg.samples_in_own_dtype else cfg.dtype)
-    if not (sharded or cfg.samples_in_own_dtype):
+    if not (sharded or cfg.samples_in_own_dtype or cfg.async_staleness):
         return policy
     if lora.is_adapted(policy):
         plain = lora.plain_copy(policy)  # (it shares the frozen base tensors with the policy)

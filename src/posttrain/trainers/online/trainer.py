@@ -52,12 +52,14 @@ from posttrain.models import (
 )
 from posttrain.models.weights import hf_weights
 from posttrain.rewards import parse_rewards, reward_columns, score
+from posttrain.rollout.types import stream_seed
 from posttrain.trainers import loop, trained
 from posttrain.trainers.loop.job import Job, StepResult
 from posttrain.trainers.loop.optim import Optim
 from posttrain.trainers.online.batch import TokenBatch
 from posttrain.trainers.online.experience import ExperienceMaker
 from posttrain.trainers.online.metrics import logprob_gap, step_metrics
+from posttrain.trainers.online.producer import Producer
 from posttrain.trainers.online.sampler import build_engine, make_guard, sampler_module
 from posttrain.trainers.online.update import UpdateInputs, run_updates
 
@@ -127,6 +129,17 @@ class RLTrainer(Job):
         self.correction = cfg.correction()
         self.guard = make_guard(cfg, self.engine, self.policy, [
             self.experience.first_prompt_ids(r) for r in self.train_rows[:2]])
+        self.producer = None
+        """Asynchronous rollouts (async_staleness > 0): the thread that owns the engine and
+        makes the batches ahead of the learner (:mod:`.producer`)."""
+        if cfg.async_staleness:
+            # its own data order (the learner's generator shuffles minibatches meanwhile)
+            # and, under torchrun, its own process group for the rounds' gathers
+            self.experience.gen = torch.Generator().manual_seed(
+                stream_seed(cfg.seed, "producer"))
+            self.experience.group = dist.side_group()
+            self.producer = Producer(self.experience, self.engine, cfg.async_staleness,
+                                     cfg.max_steps, 0, self.guard, cfg.partial_rollouts)
         self.compiled = compile_models(cfg, [self.policy, self.ref, self.critic], self.device)
         self.policy = trained.shard_trained(cfg, self.policy)
         if self.critic is not None:
@@ -236,8 +249,12 @@ class RLTrainer(Job):
         algo = (self.algo.replace(reward_kl_coef=self.kl_ctl.value)
                 if self.algo.reward_kl_coef else self.algo)
         # 1. experience
-        exp = self.experience.collect(step)
-        self.engine.sleep()  # where it can, the engine frees its memory for the update
+        if self.producer is not None:  # made ahead by the producer thread
+            exp, produced = self.producer.take(step)
+            produced.update(self._staleness(exp, step))
+        else:
+            exp, produced = self.experience.collect(step), {}
+            self.engine.sleep()  # where it can, the engine frees its memory for the update
         if not exp.valid.any():
             log.warning("step %d: every sample's reward failed (on_reward_error=skip): the "
                         "step learns nothing", step)
@@ -306,6 +323,7 @@ class RLTrainer(Job):
         record, kl = step_metrics(cfg, algo, exp, tokens, scores, mask, valid, old, ref,
                                   old_values, returns, live, sums, n_steps, n_critic, times)
         record.update(checked)
+        record.update(produced)
         if self.moe and dist.world_size() > 1:  # the router metrics of every rank's rows
             flat = dist.sum_floats(routed.accumulators() if routed is not None else
                                    routing.Routing.no_accumulators(self.policy))
@@ -324,6 +342,25 @@ class RLTrainer(Job):
             self.kl_ctl.update(kl, int(valid.sum()))
         return StepResult(values=record, tokens=exp.sampled_tokens)
 
+    def _staleness(self, exp, step: int) -> dict[str, float]:
+        """How many versions behind the learner's (``step - 1``) the batch's weights are:
+        its oldest token's, and with partial rollouts the trained tokens' mean. Never more
+        than async_staleness (the schedule's bound, checked)."""
+        lag = step - 1 - exp.rollout.policy_version
+        if lag > self.cfg.async_staleness:
+            raise RuntimeError(f"step {step}: its batch was sampled by version "
+                               f"{exp.rollout.policy_version}, {lag} versions old, beyond "
+                               f"async_staleness={self.cfg.async_staleness}")
+        out = {"async/staleness": float(lag)}
+        versions = exp.rollout.versions
+        if versions is not None:
+            m = exp.rollout.trained_mask.bool()
+            lags = (step - 1 - versions)[m].double()
+            if len(lags):
+                out.update({"async/token_staleness_mean": float(lags.mean()),
+                            "async/token_staleness_min": float(lags.min())})
+        return out
+
     def _local_of(self, exp) -> torch.Tensor:
         """Each of the step's rows' index in this rank's token batch, -1 for another
         rank's (sharded, the batch holds every row)."""
@@ -341,6 +378,13 @@ class RLTrainer(Job):
         batch's layout (a batch packed into one call replays nothing, so the next need not
         keep the projections; batches of a run are alike). Returns the guard's metrics."""
         checked: dict[str, float] = {}
+        if self.producer is not None:  # version ``step``, whether the step moved it or not
+            self.version = step
+            weights = [(name, t.detach().clone()) for name, t in hf_weights(
+                self.policy, changed_only=self.engine.partial_sync)]
+            expected = self.guard.expect(self.policy) if self.guard is not None else None
+            self.producer.publish(step, weights, expected)
+            return checked
         if n_steps or self.engine.needs_sync:  # (its sleep freed weights: bring them back)
             self.version += n_steps
             self.engine.sync(hf_weights(self.policy, changed_only=self.engine.partial_sync),
@@ -361,7 +405,8 @@ class RLTrainer(Job):
         routes freely and compares with the rollout's (``sampled_routing``) or records."""
         cfg = self.cfg
         several_updates = (cfg.ppo_epochs > 1 or cfg.minibatch_size < len(mask)
-                           or cfg.routing_replay == "r2")  # (r2 records in the old pass)
+                           or cfg.routing_replay == "r2"  # (r2 records in the old pass)
+                           or cfg.async_staleness > 0)  # (the proximal policy: decoupled)
         own = own.to(self.device)
         # the rows of ``tokens`` to compute: sharded, it holds every sample
         rows = own if self.sharded else torch.arange(len(own), device=self.device)
@@ -412,29 +457,32 @@ class RLTrainer(Job):
         if not self.eval_rows:
             return {}
         rows = dist.shard(self.eval_rows)
-        n_correct = reward = n_valid = 0.0
-        if rows and self.experience.env is not None:
-            from posttrain.episodes.evaluate import greedy_episodes
-
-            x, cfg = self.experience, self.cfg
-            correct, total, valid = greedy_episodes(
-                self.engine, self.tok, x.env, rows, self.rewards, x.limits, cfg.max_new_tokens,
-                x.params.stop, cfg.eval_batch_size, x.renderer, "skip", cfg.max_length,
-                x.completion)
-            n_correct, n_valid = float(correct.sum()), float(valid.sum())
-            reward = float(total[valid].double().sum())
-        elif rows:
-            prompts = [r["prompt"] for r in rows]
-            completions = greedy_completions(self.engine, prompts, self.cfg.max_new_tokens,
-                                             self.cfg.eval_batch_size)
-            columns = reward_columns(rows)
-            total, terms, valid = score(self.rewards, prompts, completions, columns, "skip")
-            correct = self.experience.correct(prompts, completions, columns, terms)
-            n_correct, n_valid = float(correct.sum()), float(valid.sum())
-            reward = float(total[valid].double().sum())
-        n_correct, reward, n_valid = dist.sum_floats([n_correct, reward, n_valid])
+        local = (self.producer.call(lambda engine: self._evaluate(engine, rows))
+                 if self.producer is not None else self._evaluate(self.engine, rows))
+        n_correct, reward, n_valid = dist.sum_floats(local)
         return {"eval/accuracy": n_correct / len(self.eval_rows),
                 "eval/mean_reward": reward / n_valid if n_valid else float("nan")}
+
+    def _evaluate(self, engine, rows: list[dict]) -> list[float]:
+        """This rank's share of :meth:`evaluate`: correct, summed reward, valid."""
+        if not rows:
+            return [0.0, 0.0, 0.0]
+        x, cfg = self.experience, self.cfg
+        if x.env is not None:
+            from posttrain.episodes.evaluate import greedy_episodes
+
+            correct, total, valid = greedy_episodes(
+                engine, self.tok, x.env, rows, self.rewards, x.limits, cfg.max_new_tokens,
+                x.params.stop, cfg.eval_batch_size, x.renderer, "skip", cfg.max_length,
+                x.completion)
+        else:
+            prompts = [r["prompt"] for r in rows]
+            completions = greedy_completions(engine, prompts, cfg.max_new_tokens,
+                                             cfg.eval_batch_size)
+            columns = reward_columns(rows)
+            total, terms, valid = score(self.rewards, prompts, completions, columns, "skip")
+            correct = x.correct(prompts, completions, columns, terms)
+        return [float(correct.sum()), float(total[valid].double().sum()), float(valid.sum())]
 
     def save(self, path: Path, states: dict | None = None) -> None:
         """The actor as a Hugging Face directory at ``path``, the critic in ``path/critic``."""
@@ -447,12 +495,46 @@ class RLTrainer(Job):
         return {"policy": self.policy, **({"critic": self.critic} if self.critic else {})}
 
     def state(self):
+        """Every rank calls it (torchrun: the producers' rows are gathered)."""
+        if self.producer is None:
+            return self._state()
+        self.producer.pause(self.step_num)  # (the data order below is the producer's)
+        try:
+            meta, tensors = self._state()
+            made, made_tensors = self.producer.state()
+            meta["async"] = {"staleness": self.cfg.async_staleness,
+                             "version": self.step_num, **made}
+            tensors.update({f"async.{k}": v for k, v in made_tensors.items()})
+            tensors["producer_generator"] = self.experience.gen.get_state()
+            if dist.world_size() > 1:  # each rank's rows of each made batch
+                owns = dist.gather_objects({s: e.own.tolist()
+                                            for s, e in self.producer.ready.items()})
+                for r, mine in enumerate(owns):
+                    tensors.update({f"async.own.{r}.{s}": torch.tensor(rows, dtype=torch.long)
+                                    for s, rows in mine.items()})
+        finally:
+            self.producer.resume()
+        return meta, tensors
+
+    def _state(self):
         meta = {"kl_coef": self.kl_ctl.value,
                 "score_moments": self.experience.score_moments.state_dict(),
                 "order": self.experience.order, "packed": self.packed}
         return meta, {"generator": self.gen.get_state()}
 
     def load_state(self, meta, tensors) -> None:
+        made = meta.get("async")  # (a resume keeps the run's config: the same schedule)
+        if made:
+            self.experience.gen.set_state(tensors["producer_generator"])
+            version = int(made["version"])
+            own = None
+            if dist.world_size() > 1:
+                prefix = f"async.own.{dist.rank()}."
+                own = {int(k[len(prefix):]): v for k, v in tensors.items()
+                       if k.startswith(prefix)}
+            self.producer.load_state(made, {k[6:]: v for k, v in tensors.items()
+                                            if k.startswith("async.batch.")}, version, own)
+            self.engine.version = self.version = version
         self.gen.set_state(tensors["generator"])
         self.kl_ctl.value = float(meta["kl_coef"])
         self.experience.score_moments.load_state_dict(meta["score_moments"])
@@ -463,6 +545,8 @@ class RLTrainer(Job):
         self.experience.extras = self._extras()
 
     def close(self) -> None:
+        if self.producer is not None:
+            self.producer.close()
         self.engine.close()
 
     def train(self) -> dict[str, float]:
