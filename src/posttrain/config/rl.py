@@ -191,6 +191,12 @@ class RLConfig(RunConfig):
     training overlap; no sample is more than K versions old. The loss then takes the
     learner's own pass as the proximal policy and corrects for the behaviour policy
     (decoupled PPO; rollout_correction auto = token_truncate). 0 = the synchronous loop."""
+    async_producer: str = "auto"
+    """With async_staleness: where the producer runs. thread: beside the learner in this
+    process (one interpreter lock between them); process: a process of its own with its
+    own copy of the policy (its own interpreter: small models overlap there); auto =
+    process for a single process sampling with hf or lean, thread under torchrun, with
+    vllm or a 4-bit base (docs/async.md)."""
     partial_rollouts: bool = False
     """With async_staleness and episodes: an episode in flight when a newer policy is
     published continues its next turns under it (each token's behaviour log-prob and
@@ -304,9 +310,32 @@ class RLConfig(RunConfig):
     def _check_async(self) -> None:
         check(self.async_staleness >= 0, f"async_staleness must be ≥ 0 (0 = synchronous), "
               f"got {self.async_staleness}")
+        check(self.async_producer in ("auto", "thread", "process"),
+              "async_producer must be auto, thread or process")
         if not self.async_staleness:
             self.refuse(("partial_rollouts",), "the synchronous loop (async_staleness 0): a "
                         "rollout there never sees the weights change")
+            self.refuse(("async_producer",), "the synchronous loop (async_staleness 0)")
+        elif self.async_producer == "process":
+            from posttrain import dist
+
+            check(not dist.launched(), "async_producer=process runs one producer for one "
+                  "process; under torchrun use async_producer thread (or auto)")
+            check(self.rollout_backend != "vllm" and not self.load_in_4bit,
+                  "async_producer=process samples with hf or lean from a full-precision "
+                  "copy; with vllm or load_in_4bit use async_producer thread (or auto)")
+
+    @property
+    def async_process(self) -> bool:
+        """The asynchronous producer runs in a process of its own (``async_producer``)."""
+        if not self.async_staleness or self.async_producer == "thread":
+            return False
+        if self.async_producer == "process":
+            return True
+        from posttrain import dist
+
+        return (not dist.launched() and self.rollout_backend != "vllm"
+                and not self.load_in_4bit)
 
     def _check_engine(self) -> None:
         from posttrain.core.correction import CORRECTIONS

@@ -22,6 +22,7 @@ import copy
 import json
 import math
 import numbers
+import time
 from dataclasses import dataclass, field
 
 from posttrain.userfiles import load_object
@@ -80,8 +81,7 @@ def _timed(fn, timeout: float, *args):
     if not timeout:
         return fn(*args)
     if _POOL is None:
-        # (room for the calls of one turn run at once: env_workers)
-        _POOL = concurrent.futures.ThreadPoolExecutor(64, thread_name_prefix="posttrain-env")
+        _POOL = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="posttrain-env")
     future = _POOL.submit(fn, *args)
     try:
         return future.result(timeout)
@@ -89,6 +89,56 @@ def _timed(fn, timeout: float, *args):
         _POOL.shutdown(wait=False)
         _POOL = None
         raise TimeoutError(f"did not return within {timeout:g} s") from None
+
+
+_WORKERS: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
+
+
+def step_all(episodes: list[Episode], texts: list[str], workers: int
+             ) -> list[tuple[dict | None, float, bool] | EnvError]:
+    """Each episode's :meth:`Episode.step` on its text, on a pool of ``workers`` threads at
+    once (kept for the next turn); the results in order, an :class:`EnvError` in place of a
+    step that failed. The timeout counts from the submission of the turn's calls; a call
+    still running past it is abandoned with its pool."""
+    global _WORKERS
+    if workers <= 1 or len(episodes) <= 1:
+        out: list = []
+        for ep, text in zip(episodes, texts, strict=True):
+            try:
+                out.append(ep.step(text))
+            except EnvError as e:
+                out.append(e)
+        return out
+    if _WORKERS is None or _WORKERS[0] != workers:
+        if _WORKERS is not None:
+            _WORKERS[1].shutdown(wait=False)
+        _WORKERS = (workers, concurrent.futures.ThreadPoolExecutor(
+            workers, thread_name_prefix="posttrain-env"))
+    pool = _WORKERS[1]
+    futures = [pool.submit(ep.env.step, text) for ep, text in zip(episodes, texts,
+                                                                   strict=True)]
+    timeout = episodes[0].spec.timeout or None
+    deadline = None if timeout is None else time.monotonic() + timeout
+    out = []
+    for ep, future in zip(episodes, futures, strict=True):
+        ep.turn += 1
+        try:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            got = future.result(left)
+        except concurrent.futures.TimeoutError:
+            pool.shutdown(wait=False)
+            _WORKERS = None
+            got = TimeoutError(f"did not return within {timeout:g} s")
+        except Exception as e:
+            got = e
+        if isinstance(got, Exception):
+            out.append(ep._error(f"step() raised {type(got).__name__}: {got}"))
+            continue
+        try:
+            out.append(ep._checked(got))
+        except EnvError as e:
+            out.append(e)
+    return out
 
 
 class Episode:
@@ -127,6 +177,10 @@ class Episode:
             out = _timed(self.env.step, self.spec.timeout, text)
         except Exception as e:
             raise self._error(f"step() raised {type(e).__name__}: {e}") from e
+        return self._checked(out)
+
+    def _checked(self, out) -> tuple[dict | None, float, bool]:
+        """A step's return, checked against the protocol."""
         if not isinstance(out, tuple) or len(out) != 3:
             raise self._error(f"step() returned {_kind(out)}, expected a tuple "
                               "(message, reward, done)")

@@ -17,14 +17,13 @@ single-turn rollout (a single turn is the one-turn episode).
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from posttrain.episodes.env import EnvError, EnvSpec, Episode
+from posttrain.episodes.env import EnvError, EnvSpec, Episode, step_all
 from posttrain.episodes.render import Renderer
 from posttrain.rollout import Request, Rollout, SamplingParams
 from posttrain.rollout.types import sample_seed, stream_seed
@@ -143,23 +142,6 @@ def run_episodes(engine, tokenizer, spec: EnvSpec, rows: list[dict], n: int,
     return _collect(live, tokenizer, n, errors)
 
 
-def _steps(live: list[_Live], outs: dict[int, tuple], running: list[int], workers: int
-           ) -> dict[int, tuple | EnvError]:
-    """Each running episode's environment step on its turn's text: ``(message, reward,
-    done)``, or the :class:`EnvError` it raised; on ``workers`` threads at once."""
-    def one(k: int):
-        try:
-            return live[k].episode.step(outs[k][2])
-        except EnvError as err:
-            return err
-
-    if workers <= 1 or len(running) <= 1:
-        return {k: one(k) for k in running}
-    with concurrent.futures.ThreadPoolExecutor(min(workers, len(running)),
-                                               thread_name_prefix="posttrain-env") as pool:
-        return dict(zip(running, pool.map(one, running), strict=True))
-
-
 def _turns(engine, tokenizer, live, n, seeds, params, limits, on_error, renderer, errors,
            extras=frozenset(), workers=1, before_turn=None):
     """Every episode of ``live`` to its end, one engine call per turn."""
@@ -190,7 +172,9 @@ def _turns(engine, tokenizer, live, n, seeds, params, limits, on_error, renderer
                 outs[k] = (out.completion_ids[j][m].tolist(), out.logprobs[j][m].tolist(),
                            out.texts[j], out.policy_version)
         t0 = time.perf_counter()
-        stepped = _steps(live, outs, running, workers)
+        stepped = dict(zip(running, step_all([live[k].episode for k in running],
+                                             [outs[k][2] for k in running], workers),
+                           strict=True))
         env_s = (time.perf_counter() - t0) / len(running)  # (each episode its share)
         for k in running:
             e = live[k]

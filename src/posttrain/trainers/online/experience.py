@@ -173,6 +173,32 @@ class ExperienceMaker:
             return torch.tensor(self.accuracy(prompts, completions, **columns)) >= 1
         return next(iter(terms.values())).nan_to_num() >= 1
 
+    def evaluate(self, engine, rows: list[dict]) -> list[float]:
+        """Greedy decoding of ``rows`` through ``engine``: ``[correct, summed reward of the
+        valid ones, valid]`` (task accuracy as in :meth:`correct`; episodes: the total
+        reaches 1)."""
+        if not rows:
+            return [0.0, 0.0, 0.0]
+        cfg = self.cfg
+        if self.env is not None:
+            from posttrain.episodes.evaluate import greedy_episodes
+
+            correct, total, valid = greedy_episodes(
+                engine, self.tok, self.env, rows, self.rewards, self.limits,
+                cfg.max_new_tokens, self.params.stop, cfg.eval_batch_size, self.renderer,
+                "skip", cfg.max_length, self.completion)
+        else:
+            from posttrain.evaluate import greedy_completions
+
+            prompts = [r["prompt"] for r in rows]
+            completions = greedy_completions(engine, prompts, cfg.max_new_tokens,
+                                             cfg.eval_batch_size)
+            columns = reward_columns(rows)
+            total, terms, valid = score_rewards(self.rewards, prompts, completions, columns,
+                                                "skip")
+            correct = self.correct(prompts, completions, columns, terms)
+        return [float(correct.sum()), float(total[valid].double().sum()), float(valid.sum())]
+
     def collect(self, step: int) -> Experience:
         """Sample and score a step's groups (refilling with dynamic sampling). With several
         ranks each samples and scores its own prompt slots (every ``world``-th from its

@@ -207,11 +207,12 @@ class Producer:
             self.published = version
             self.cond.notify_all()
 
-    def call(self, fn):
-        """``fn(engine)`` on the producer's thread with the newest published weights, in
-        the schedule's order (an evaluation); returns its result."""
+    def call(self, rows: list[dict]):
+        """The evaluation of ``rows`` (the maker's ``evaluate(engine, rows)``) on the
+        producer's thread with the newest published weights, in the schedule's order;
+        returns its result."""
         with self.cond:
-            job = _Job(fn, self.published)
+            job = _Job(lambda engine: self.x.evaluate(engine, rows), self.published)
             self.jobs.append(job)
             self.cond.notify_all()
             self._wait(lambda: job.done)
@@ -251,6 +252,23 @@ class Producer:
             meta["batches"][str(step)] = m
             tensors.update({f"batch.{step}.{k}": v for k, v in t.items()})
         return meta, tensors
+
+    def snapshot(self, version: int):
+        """What a checkpoint after step ``version`` keeps: ``((meta, tensors) of the made
+        batches, the data order, the data generator's state)``, taken while paused."""
+        self.pause(version)
+        try:
+            return self.state(), list(self.x.order), self.x.gen.get_state()
+        finally:
+            self.resume()
+
+    def restore(self, made, order: list[int], generator: torch.Tensor, version: int,
+                own: dict[int, torch.Tensor] | None = None) -> None:
+        """Restore :meth:`snapshot` at ``version`` (the weights the engine holds)."""
+        self.load_state(*made, version, own)
+        self.x.order = [int(i) for i in order]
+        self.x.gen.set_state(generator)
+        self.engine.version = version
 
     def load_state(self, meta: dict, tensors: dict[str, torch.Tensor], version: int,
                    own: dict[int, torch.Tensor] | None = None) -> None:

@@ -37,7 +37,6 @@ from posttrain.builtin import task as builtin_task
 from posttrain.config import ConfigError, PPOConfig, RLConfig
 from posttrain.core import AdaptiveKLController, FixedKLController
 from posttrain.core.algorithms import compute_advantages
-from posttrain.evaluate import greedy_completions
 from posttrain.fast import eligibility
 from posttrain.fast.cache import track_policy_version
 from posttrain.fast.compile import compile_models
@@ -51,7 +50,7 @@ from posttrain.models import (
     value_head,
 )
 from posttrain.models.weights import hf_weights
-from posttrain.rewards import parse_rewards, reward_columns, score
+from posttrain.rewards import parse_rewards
 from posttrain.rollout.types import stream_seed
 from posttrain.trainers import loop, trained
 from posttrain.trainers.loop.job import Job, StepResult
@@ -120,10 +119,8 @@ class RLTrainer(Job):
                        else FixedKLController(self.algo.reward_kl_coef))
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.engine = build_engine(cfg, self.policy, self.sampler, self.tok)
-        # the built-in task's exact-answer check is its accuracy, whatever the reward
-        accuracy = builtin_task.reward if cfg.data is None and not cfg.episodic else None
-        self.experience = ExperienceMaker(cfg, self.algo, self.engine, self.tok, self.rewards,
-                                          self.train_rows, self.gen, accuracy)
+        self.experience = experience_maker(cfg, self.algo, self.engine, self.tok,
+                                           self.rewards, self.train_rows, self.gen)
         self.version = 0
         """The policy version: optimiser steps so far (what the engine's weights are)."""
         self.correction = cfg.correction()
@@ -133,13 +130,8 @@ class RLTrainer(Job):
         """Asynchronous rollouts (async_staleness > 0): the thread that owns the engine and
         makes the batches ahead of the learner (:mod:`.producer`)."""
         if cfg.async_staleness:
-            # its own data order (the learner's generator shuffles minibatches meanwhile)
-            # and, under torchrun, its own process group for the rounds' gathers
-            self.experience.gen = torch.Generator().manual_seed(
-                stream_seed(cfg.seed, "producer"))
+            # under torchrun, its own process group for the rounds' gathers
             self.experience.group = dist.side_group()
-            self.producer = Producer(self.experience, self.engine, cfg.async_staleness,
-                                     cfg.max_steps, 0, self.guard, cfg.partial_rollouts)
         self.compiled = compile_models(cfg, [self.policy, self.ref, self.critic], self.device)
         self.policy = trained.shard_trained(cfg, self.policy)
         if self.critic is not None:
@@ -153,6 +145,20 @@ class RLTrainer(Job):
         self.packed = False
         """Whether the last batch's shared-prompt passes were packed into one call."""
         self.experience.extras = self._extras()
+        if cfg.async_staleness:
+            self.producer = self._producer()
+
+    def _producer(self):
+        """The producer of asynchronous rollouts: a thread over this process's engine, or a
+        process of its own (:mod:`.remote`) started from the policy's weights now."""
+        cfg = self.cfg
+        if cfg.async_process:
+            from posttrain.trainers.online.remote import RemoteProducer
+
+            weights = [(n, t.detach().clone()) for n, t in hf_weights(self.policy)]
+            return RemoteProducer(cfg, self._extras() & {"routing"}, weights)
+        return Producer(self.experience, self.engine, cfg.async_staleness, cfg.max_steps, 0,
+                        self.guard, cfg.partial_rollouts)
 
     def _extras(self) -> frozenset[str]:
         """What the next rollouts keep: the speed-ups' (:mod:`posttrain.fast.eligibility`)
@@ -177,29 +183,7 @@ class RLTrainer(Job):
         return out
 
     def _rows(self) -> tuple[list[dict], list[dict]]:
-        """Training and held-out prompts, each checked against max_length."""
-        cfg = self.cfg
-        if cfg.episodic:  # the environment makes the prompts (the loop checks their length)
-            if cfg.data is None:
-                from posttrain.builtin import episodes
-
-                return (episodes.rows(cfg.builtin_train_size, "train", cfg.seed),
-                        episodes.rows(cfg.builtin_eval_size, "eval", cfg.seed))
-            kind = "rl" if cfg.tools else "env"  # (the tool environment reads the prompt)
-            return (data_mod.load(cfg.data, kind)[1],
-                    data_mod.load(cfg.eval_data, kind)[1] if cfg.eval_data else [])
-        if cfg.data is None:
-            sets = [(data_mod.BUILTIN_SOURCE,
-                     builtin_task.rl_rows(cfg.builtin_train_size, "train", cfg.seed)),
-                    (data_mod.BUILTIN_SOURCE,
-                     builtin_task.rl_rows(cfg.builtin_eval_size, "eval", cfg.seed))]
-        else:
-            sets = [data_mod.load(cfg.data, "rl"),
-                    data_mod.load(cfg.eval_data, "rl") if cfg.eval_data else ("", [])]
-        for name, rows in sets:
-            data_mod.check_prompt_lengths(self.tok, name, rows, cfg.max_new_tokens,
-                                          cfg.max_length)
-        return sets[0][1], sets[1][1]
+        return rl_rows(self.cfg, self.tok)
 
     def _load_critic(self, resume: Path | None):
         """The critic: from its checkpoint, or from :meth:`critic_source` with a fresh value
@@ -405,8 +389,10 @@ class RLTrainer(Job):
         routes freely and compares with the rollout's (``sampled_routing``) or records."""
         cfg = self.cfg
         several_updates = (cfg.ppo_epochs > 1 or cfg.minibatch_size < len(mask)
-                           or cfg.routing_replay == "r2"  # (r2 records in the old pass)
-                           or cfg.async_staleness > 0)  # (the proximal policy: decoupled)
+                           or cfg.routing_replay == "r2")  # (r2 records in the old pass)
+        # (asynchronous rollouts: the old log-probs are the proximal policy's, the weights
+        # before this batch's first update, so with one update the detached current ones
+        # are they, as in the synchronous loop; the behaviour policy enters the correction)
         own = own.to(self.device)
         # the rows of ``tokens`` to compute: sharded, it holds every sample
         rows = own if self.sharded else torch.arange(len(own), device=self.device)
@@ -457,32 +443,11 @@ class RLTrainer(Job):
         if not self.eval_rows:
             return {}
         rows = dist.shard(self.eval_rows)
-        local = (self.producer.call(lambda engine: self._evaluate(engine, rows))
-                 if self.producer is not None else self._evaluate(self.engine, rows))
+        local = (self.producer.call(rows) if self.producer is not None
+                 else self.experience.evaluate(self.engine, rows))
         n_correct, reward, n_valid = dist.sum_floats(local)
         return {"eval/accuracy": n_correct / len(self.eval_rows),
                 "eval/mean_reward": reward / n_valid if n_valid else float("nan")}
-
-    def _evaluate(self, engine, rows: list[dict]) -> list[float]:
-        """This rank's share of :meth:`evaluate`: correct, summed reward, valid."""
-        if not rows:
-            return [0.0, 0.0, 0.0]
-        x, cfg = self.experience, self.cfg
-        if x.env is not None:
-            from posttrain.episodes.evaluate import greedy_episodes
-
-            correct, total, valid = greedy_episodes(
-                engine, self.tok, x.env, rows, self.rewards, x.limits, cfg.max_new_tokens,
-                x.params.stop, cfg.eval_batch_size, x.renderer, "skip", cfg.max_length,
-                x.completion)
-        else:
-            prompts = [r["prompt"] for r in rows]
-            completions = greedy_completions(engine, prompts, cfg.max_new_tokens,
-                                             cfg.eval_batch_size)
-            columns = reward_columns(rows)
-            total, terms, valid = score(self.rewards, prompts, completions, columns, "skip")
-            correct = x.correct(prompts, completions, columns, terms)
-        return [float(correct.sum()), float(total[valid].double().sum()), float(valid.sum())]
 
     def save(self, path: Path, states: dict | None = None) -> None:
         """The actor as a Hugging Face directory at ``path``, the critic in ``path/critic``."""
@@ -496,24 +461,21 @@ class RLTrainer(Job):
 
     def state(self):
         """Every rank calls it (torchrun: the producers' rows are gathered)."""
+        meta, tensors = self._state()
         if self.producer is None:
-            return self._state()
-        self.producer.pause(self.step_num)  # (the data order below is the producer's)
-        try:
-            meta, tensors = self._state()
-            made, made_tensors = self.producer.state()
-            meta["async"] = {"staleness": self.cfg.async_staleness,
-                             "version": self.step_num, **made}
-            tensors.update({f"async.{k}": v for k, v in made_tensors.items()})
-            tensors["producer_generator"] = self.experience.gen.get_state()
-            if dist.world_size() > 1:  # each rank's rows of each made batch
-                owns = dist.gather_objects({s: e.own.tolist()
-                                            for s, e in self.producer.ready.items()})
-                for r, mine in enumerate(owns):
-                    tensors.update({f"async.own.{r}.{s}": torch.tensor(rows, dtype=torch.long)
-                                    for s, rows in mine.items()})
-        finally:
-            self.producer.resume()
+            return meta, tensors
+        (made, made_tensors), order, generator = self.producer.snapshot(self.step_num)
+        meta["order"] = order  # (the producer's: it draws the prompts)
+        meta["async"] = {"staleness": self.cfg.async_staleness, "version": self.step_num,
+                         **made}
+        tensors.update({f"async.{k}": v for k, v in made_tensors.items()})
+        tensors["producer_generator"] = generator
+        if dist.world_size() > 1:  # each rank's rows of each made batch (a thread there)
+            owns = dist.gather_objects({s: e.own.tolist()
+                                        for s, e in self.producer.ready.items()})
+            for r, mine in enumerate(owns):
+                tensors.update({f"async.own.{r}.{s}": torch.tensor(rows, dtype=torch.long)
+                                for s, rows in mine.items()})
         return meta, tensors
 
     def _state(self):
@@ -525,20 +487,21 @@ class RLTrainer(Job):
     def load_state(self, meta, tensors) -> None:
         made = meta.get("async")  # (a resume keeps the run's config: the same schedule)
         if made:
-            self.experience.gen.set_state(tensors["producer_generator"])
             version = int(made["version"])
             own = None
             if dist.world_size() > 1:
                 prefix = f"async.own.{dist.rank()}."
                 own = {int(k[len(prefix):]): v for k, v in tensors.items()
                        if k.startswith(prefix)}
-            self.producer.load_state(made, {k[6:]: v for k, v in tensors.items()
-                                            if k.startswith("async.batch.")}, version, own)
-            self.engine.version = self.version = version
+            batches = {k[6:]: v for k, v in tensors.items() if k.startswith("async.batch.")}
+            self.producer.restore((made, batches), meta["order"],
+                                  tensors["producer_generator"], version, own)
+            self.version = version
         self.gen.set_state(tensors["generator"])
         self.kl_ctl.value = float(meta["kl_coef"])
         self.experience.score_moments.load_state_dict(meta["score_moments"])
-        self.experience.order = [int(i) for i in meta["order"]]
+        if not made:
+            self.experience.order = [int(i) for i in meta["order"]]
         # what the next rollouts keep follows the last batch's layout, as it would have in
         # the run that was not interrupted
         self.packed = bool(meta["packed"])
@@ -551,6 +514,44 @@ class RLTrainer(Job):
 
     def train(self) -> dict[str, float]:
         return loop.run(self.cfg, self, self.cfg.max_steps)
+
+
+def experience_maker(cfg, algo, engine, tok, rewards, train_rows,
+                     generator: torch.Generator | None = None) -> ExperienceMaker:
+    """The run's batch maker over ``engine`` (the built-in task's exact-answer check as its
+    accuracy, whatever the reward); ``generator``: its data order's, else the asynchronous
+    producer's own."""
+    accuracy = builtin_task.reward if cfg.data is None and not cfg.episodic else None
+    if generator is None or cfg.async_staleness:
+        # (the learner's generator shuffles minibatches meanwhile)
+        generator = torch.Generator().manual_seed(stream_seed(cfg.seed, "producer"))
+    return ExperienceMaker(cfg, algo, engine, tok, rewards, train_rows, generator, accuracy)
+
+
+def rl_rows(cfg, tok) -> tuple[list[dict], list[dict]]:
+    """Training and held-out prompts (or episode rows), each prompt checked against
+    max_length."""
+    if cfg.episodic:  # the environment makes the prompts (the loop checks their length)
+        if cfg.data is None:
+            from posttrain.builtin import episodes
+
+            return (episodes.rows(cfg.builtin_train_size, "train", cfg.seed),
+                    episodes.rows(cfg.builtin_eval_size, "eval", cfg.seed))
+        kind = "rl" if cfg.tools else "env"  # (the tool environment reads the prompt)
+        return (data_mod.load(cfg.data, kind)[1],
+                data_mod.load(cfg.eval_data, kind)[1] if cfg.eval_data else [])
+    if cfg.data is None:
+        sets = [(data_mod.BUILTIN_SOURCE,
+                 builtin_task.rl_rows(cfg.builtin_train_size, "train", cfg.seed)),
+                (data_mod.BUILTIN_SOURCE,
+                 builtin_task.rl_rows(cfg.builtin_eval_size, "eval", cfg.seed))]
+    else:
+        sets = [data_mod.load(cfg.data, "rl"),
+                data_mod.load(cfg.eval_data, "rl") if cfg.eval_data else ("", [])]
+    for name, rows in sets:
+        data_mod.check_prompt_lengths(tok, name, rows, cfg.max_new_tokens,
+                                      cfg.max_length)
+    return sets[0][1], sets[1][1]
 
 
 def _groups_share_prompts(rollout) -> bool:
