@@ -290,6 +290,47 @@ def test_a_checkpoint_resumes_exactly(tmp_path, K):
     assert _rows(cut) == _rows(whole)
 
 
+@pytest.mark.kill
+@pytest.mark.parametrize("producer", ["process", "thread"])
+def test_sigkill_after_a_checkpoint_then_resume_is_bit_identical(tmp_path, producer):
+    """K=1 killed (SIGKILL: no chance to write anything) once checkpoint-3 exists, with
+    batches in flight, resumed from it: the final weights and rows of the run that was
+    never interrupted. The killed run is given far more steps, so the kill lands mid-run;
+    with a constant schedule nothing it computes depends on max_steps. The producer process
+    of the killed run exits with it (its pipe closes)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    common = ["--async_staleness", "1", "--async_producer", producer, "--save_every", "3",
+              "--prompts_per_step", "4", "--group_size", "4", "--builtin_train_size", "64",
+              "--builtin_eval_size", "8", "--eval_every", "2", "--log_every", "1",
+              "--device", "cpu", "--tensorboard", "false", "--seed", "3", "--model",
+              "builtin"]
+    from posttrain.cli import main
+
+    torch.set_num_threads(1)  # as the killed subprocess (OMP_NUM_THREADS=1) decodes
+    whole = tmp_path / "whole"
+    assert main(["grpo", *common, "--output_dir", str(whole), "--max_steps", "6"]) == 0
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "posttrain", "grpo", *common,
+                             "--output_dir", str(killed), "--max_steps", "100000"],
+                            env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = killed / "checkpoint-3"
+    deadline = time.monotonic() + 120
+    while not first.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+    assert first.exists()
+    assert main(["grpo", *common, "--output_dir", str(killed), "--max_steps", "6",
+                 "--resume_from", str(first)]) == 0
+    assert _same_weights(whole / "final", killed / "final")
+    assert _rows(killed) == _rows(whole)
+
+
 def test_a_checkpoint_of_another_schedule_is_refused(tmp_path, capsys):
     from posttrain.cli import main
 

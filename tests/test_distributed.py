@@ -44,6 +44,13 @@ RL = {
     # GRPO on the built-in multi-turn task's episodes (its start: builtin-episodes)
     "episodes": ["--env", "builtin", "--prompts_per_step", "3", "--group_size", "4",
                  "--max_new_tokens", "6", "--kl_coef", "0.04", "--minibatch_size", "6"],
+    # asynchronous rollouts (K=1): each rank's producer thread samples its groups by the
+    # schedule's version, gathering on a process group of its own
+    "async": ["--prompts_per_step", "3", "--group_size", "4", "--max_new_tokens", "8",
+              "--kl_coef", "0.04", "--async_staleness", "1", "--async_producer", "thread"],
+    "async_episodes": ["--env", "builtin", "--prompts_per_step", "3", "--group_size", "4",
+                       "--max_new_tokens", "6", "--async_staleness", "1",
+                       "--async_producer", "thread", "--algo", "dapo"],
 }
 RL_ARGS = ["--lr", "1e-5", "--max_steps", "4", "--builtin_train_size", "32",
            "--builtin_eval_size", "5", "--eval_every", "2", "--log_every", "1", "--device",
@@ -57,8 +64,10 @@ def _launch(ranks: int) -> list[str]:
 
 def _rl_args(name: str, out: Path, *extra: str) -> list[str]:
     command = "ppo" if name == "ppo" else "grpo"
-    algo = [] if name == "ppo" else ["--algo", "grpo" if name in ("lora", "episodes")
-                                     else name]
+    algo = [] if name == "ppo" else ["--algo", "grpo" if name in ("lora", "episodes",
+                                                                  "async") else name]
+    if name == "async_episodes":
+        algo = []  # (its own: dapo, whose dynamic sampling gathers on the producer's group)
     return [command, "--model", "builtin", *algo, *RL_ARGS, *RL[name], "--output_dir",
             str(out), *extra]
 
@@ -187,7 +196,7 @@ def test_two_ranks_compute_the_on_policy_update_of_one(name, parallel, runs):
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds torchrun's workers in /proc")
 @pytest.mark.parametrize(("name", "parallel"), [("sft", "ddp"), ("dapo", "ddp"),
                                               ("ppo", "fsdp"), ("lora", "fsdp"),
-                                              ("episodes", "ddp")])
+                                              ("episodes", "ddp"), ("async", "ddp")])
 def test_a_two_rank_run_killed_after_a_checkpoint_resumes_exactly(name, parallel,
                                                                   tiny_model_dir, tmp_path):
     """torchrun and both ranks SIGKILLed once checkpoint-2 exists (the killed run is given

@@ -170,6 +170,24 @@ def test_grpo_learns_through_vllm(tmp_path):
     assert all(abs(r["train/rollout_corr/weight_mean"] - 1) < 1e-3 for r in trained)
 
 
+def test_async_rollouts_through_vllm_learn_and_pass_the_guard(tmp_path):
+    """K=1 through vLLM (the producer a thread of this process, which owns the engine):
+    batch s sampled by version max(0, s-2); the guard checks every version the engine
+    loads against the trainer's log-probs of it, taken when it was published; the
+    decoupled loss learns the built-in task as the synchronous one does."""
+    from posttrain.trainers.online.trainer import run_rl
+
+    out = run_rl(_cfg(tmp_path, max_steps=30, eval_every=30, async_staleness=1))
+    assert out["eval/accuracy"] >= 0.6
+    rows = [json.loads(x) for x in
+            (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "async/staleness" in r]
+    assert [r["async/staleness"] for r in steps[:3]] == [0, 1, 1]
+    checked = [r for r in steps if "sync/gap_mean" in r]
+    assert len(checked) >= 20
+    assert all(r["sync/gap_mean"] <= r["sync/tolerance"] for r in checked)
+
+
 def test_ppo_with_lora_runs_through_vllm(tmp_path):
     """PPO (actor, critic, reference, reward) with LoRA adapters: the engine receives the
     merged weights at each sync and the guard accepts them."""

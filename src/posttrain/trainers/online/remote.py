@@ -30,6 +30,7 @@ def _serve(conn, cfg, extras, version: int, threads: int) -> None:
     learner's messages until ``close``."""
     try:
         torch.set_num_threads(threads)
+        from posttrain import fast
         from posttrain.models import load_tokenizer
         from posttrain.rewards import parse_rewards
         from posttrain.trainers import trained
@@ -37,6 +38,7 @@ def _serve(conn, cfg, extras, version: int, threads: int) -> None:
         from posttrain.trainers.online.sampler import build_engine
         from posttrain.trainers.online.trainer import experience_maker, rl_rows
 
+        fast.prepare_process(cfg)  # (the process settings a run applies first)
         tok = load_tokenizer(cfg.model, cfg.trust_remote_code)
         own = copy.copy(cfg)
         own.dtype = cfg.rollout_dtype if cfg.samples_in_own_dtype else cfg.dtype
@@ -55,7 +57,10 @@ def _serve(conn, cfg, extras, version: int, threads: int) -> None:
         return
     conn.send(("ok", None))
     while True:
-        kind, *args = conn.recv()
+        try:
+            kind, *args = conn.recv()
+        except EOFError:  # the learner is gone (killed): so is this process
+            return
         try:
             if kind == "weights":  # (the first: the engine's weights; then publications)
                 v, weights = args
@@ -93,6 +98,8 @@ class RemoteProducer:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         cores = int(os.environ.get("OMP_NUM_THREADS", 0)) or torch.get_num_threads()
+        # half the cores each (two teams of threads on the same cores slow each other far
+        # more than their sum: docs/async.md)
         self.process = ctx.Process(target=_serve, name="posttrain-producer", daemon=True,
                                    args=(child, cfg, extras, version, max(1, cores // 2)))
         self.process.start()
