@@ -177,7 +177,7 @@ def test_async_rollouts_through_vllm_learn_and_pass_the_guard(tmp_path):
     decoupled loss learns the built-in task as the synchronous one does."""
     from posttrain.trainers.online.trainer import run_rl
 
-    out = run_rl(_cfg(tmp_path, max_steps=30, eval_every=30, async_staleness=1))
+    out = run_rl(_cfg(tmp_path, max_steps=30, eval_every=30, async_staleness=1, log_every=1))
     assert out["eval/accuracy"] >= 0.6
     rows = [json.loads(x) for x in
             (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
