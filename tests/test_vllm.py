@@ -177,7 +177,16 @@ def test_async_rollouts_through_vllm_learn_and_pass_the_guard(tmp_path):
     decoupled loss learns the built-in task as the synchronous one does."""
     from posttrain.trainers.online.trainer import run_rl
 
-    out = run_rl(_cfg(tmp_path, max_steps=30, eval_every=30, async_staleness=1, log_every=1))
+    # torch's count below OpenMP's (the suite's conftest sets 1 under OMP_NUM_THREADS=2):
+    # the producer's new thread must plan and run vLLM's CPU attention with one count.
+    # torch._C's setter, as vLLM replaces torch.set_num_threads once an engine is up.
+    threads = torch.get_num_threads()
+    torch._C.set_num_threads(1)
+    try:
+        out = run_rl(_cfg(tmp_path, max_steps=30, eval_every=30, async_staleness=1,
+                          log_every=1))
+    finally:
+        torch._C.set_num_threads(threads)
     assert out["eval/accuracy"] >= 0.6
     rows = [json.loads(x) for x in
             (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

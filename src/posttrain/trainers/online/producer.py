@@ -141,6 +141,10 @@ class Producer:
         self._load(version, published)
 
     def _run(self) -> None:
+        # A new thread's OpenMP count is OMP_NUM_THREADS until torch's first parallel call
+        # on it sets torch's count; a C++ kernel that asks OpenMP first (vLLM's CPU
+        # attention plans with one count and checks with the other) would see both.
+        torch.get_num_threads()
         try:
             while True:
                 with self.cond:
