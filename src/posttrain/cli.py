@@ -119,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--metrics", nargs="+", default=None,
                     help="metric keys (default: accuracy, reward, loss and KL where logged)")
     pl.add_argument("--output", default="metrics.png", help="the PNG to write")
+    sm = sub.add_parser("samples", help="a run's sample tables (log_samples_every), printed "
+                                        "readably")
+    sm.add_argument("run", help="a run directory (with a samples.jsonl)")
+    sm.add_argument("--step", type=int, default=None, help="the step (default: the last)")
     from posttrain.compare import DEFAULT_ALGOS
 
     cp = sub.add_parser("compare", help="the algorithms side by side on the built-in task: "
@@ -322,6 +326,11 @@ def _dispatch(parser, args, rest) -> int:
         from posttrain.plot import plot
 
         print(_json({"plot": str(plot(args.runs, args.metrics, args.output))}))
+        return 0
+    if args.command == "samples":
+        from posttrain.samples import show
+
+        show(args.run, args.step)
         return 0
     if args.command == "compare":
         from posttrain.compare import run_compare

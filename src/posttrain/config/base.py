@@ -145,6 +145,11 @@ class RunConfig:
     """Run model code shipped with a checkpoint (off unless you trust its source)."""
     tensorboard: bool = True
     """Also write TensorBoard events (when tensorboard is installed)."""
+    report_to: str = ""
+    """Experiment trackers to log to, comma-separated: tensorboard, wandb, mlflow, trackio
+    (each must be installed: ``pip install 'posttrain[trackers]'``). They get the rows of
+    metrics.jsonl, the config and the sample tables; a resumed run continues the same
+    tracker run (docs/trackers.md)."""
     builtin_train_size: int = 4000
     """Examples generated for the built-in task's training split."""
     builtin_eval_size: int = 500
@@ -199,6 +204,10 @@ class RunConfig:
               "compile and parallel=fsdp do not run together yet; leave compile off")
         check(self.eval_data is None or self.data is not None,
               "eval_data needs data too (the built-in task has its own held-out split)")
+        from posttrain.trainers.loop.trackers import check as check_trackers
+
+        problem = check_trackers(self.report_to)
+        check(problem is None, problem or "")
         if self.output_dir is None:
             self.output_dir = f"runs/{self.run_name}"
 

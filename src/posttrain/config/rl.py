@@ -185,6 +185,12 @@ class RLConfig(RunConfig):
     """With fast: the sampler's log-sum-exp and entropy at each token stand in for the
     forward of a fused head (large vocabularies, float32) in those passes, one of its four
     vocabulary-sized matmuls; unsharded, no dropout; false = recompute."""
+    log_samples_every: int = 0
+    """Every this many steps, a table of ``log_samples`` samples (prompt, completion or whole
+    episode, each reward term, advantage, length, finish reason) into samples.jsonl and each
+    tracker (``posttrain samples RUN_DIR`` prints them); 0 = none."""
+    log_samples: int = 8
+    """Samples per table (the step's first ones: whole groups together)."""
     async_staleness: int = 0
     """Asynchronous rollouts (docs/async.md): a producer thread samples step s's batch with
     the policy of step s-1-K while the learner trains steps s-K..s-1, so sampling and
@@ -219,6 +225,8 @@ class RLConfig(RunConfig):
         super().validate()
         check(self.algo in self.ALGOS, f"algo must be one of {', '.join(self.ALGOS)}")
         check(self.max_steps >= 1, "max_steps must be ≥ 1")
+        check(self.log_samples_every >= 0 and self.log_samples >= 1,
+              "log_samples_every must be ≥ 0 and log_samples ≥ 1")
         check(self.rollout_backend in ("auto", "hf", "lean", "vllm"),
                "rollout_backend must be auto, hf, lean or vllm")
         self._check_engine()

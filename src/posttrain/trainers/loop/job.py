@@ -23,6 +23,8 @@ class StepResult:
     tokens: int = 0
     """Completion tokens the step sampled (RL) or trained on (offline), every rank's: the
     count ``max_tokens`` budgets."""
+    samples: list[dict] | None = None
+    """The step's sample table (``log_samples_every``), rows of plain values; None: none."""
 
 
 @dataclass

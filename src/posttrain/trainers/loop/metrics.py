@@ -1,16 +1,20 @@
 """The metrics of a run: the window of steps since the last logged row (:class:`Window`)
-and the writer of ``metrics.jsonl`` (strict JSON, one row per logged step) mirrored to
-TensorBoard when it is installed."""
+and the writer of ``metrics.jsonl`` (strict JSON, one row per logged step) and
+``samples.jsonl``, mirrored to the run's trackers."""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from pathlib import Path
 
 from posttrain import dist
+from posttrain.trainers.loop import trackers
 from posttrain.trainers.loop.job import StepResult
+
+log = logging.getLogger(__name__)
 
 
 def strict_json(record: dict) -> str:
@@ -20,32 +24,53 @@ def strict_json(record: dict) -> str:
 
 
 class MetricsWriter:
-    """Appends one JSON object per logged step to metrics.jsonl, mirrored to TensorBoard."""
+    """Appends one JSON object per logged step to ``metrics.jsonl`` and a step's sample table
+    to ``samples.jsonl`` (one object per sample), mirrored to the run's trackers
+    (:mod:`.trackers`). Only the main rank writes."""
 
-    def __init__(self, output_dir: Path, tensorboard: bool):
+    def __init__(self, output_dir: Path, cfg=None, run_id: str = ""):
+        main = dist.is_main()
         self.path = output_dir / "metrics.jsonl"
-        self.file = self.path.open("a") if dist.is_main() else open(os.devnull, "w")  # noqa: SIM115
-        self.tb = None
-        if tensorboard and dist.is_main():
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(str(output_dir / "tensorboard"))
-            except ImportError:
-                pass
+        self.samples_path = output_dir / "samples.jsonl"
+        self.file = self.path.open("a") if main else open(os.devnull, "w")  # noqa: SIM115
+        self.samples = None
+        self.trackers = trackers.open_trackers(cfg, output_dir, run_id) if main and cfg else []
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         """One row of strict JSON: a value that is not a finite number is written as null."""
         self.file.write(strict_json({"step": step, **metrics}) + "\n")
         self.file.flush()
-        if self.tb is not None:
-            for k, v in metrics.items():
-                self.tb.add_scalar(k, v, step)
+        self._each(lambda t: t.log(step, metrics))
+
+    def write_samples(self, step: int, rows: list[dict]) -> None:
+        """A step's sample table: one line per sample in ``samples.jsonl``, and a table in
+        each tracker."""
+        if not dist.is_main() or not rows:
+            return
+        if self.samples is None:
+            self.samples = self.samples_path.open("a")
+        for row in rows:
+            self.samples.write(strict_json({"step": step, **row}) + "\n")
+        self.samples.flush()
+        self._each(lambda t: t.table(step, rows))
+
+    def _each(self, call) -> None:
+        """``call`` on every tracker; one that fails is dropped with a warning (the run and
+        its own files go on)."""
+        for t in list(self.trackers):
+            try:
+                call(t)
+            except Exception as e:  # a tracker's network or disk, not the run's
+                self.trackers.remove(t)
+                log.warning("%s failed (%s: %s): no longer logging to it", type(t).__name__,
+                            type(e).__name__, e)
 
     def close(self) -> None:
         self.file.close()
-        if self.tb is not None:
-            self.tb.close()
+        if self.samples is not None:
+            self.samples.close()
+        for t in self.trackers:
+            t.close()
 
 
 class Window:

@@ -82,18 +82,20 @@ def prepare_output(cfg, resume: Path | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     if cfg.overwrite and _replaces(cfg, resume) and _finished(out):
         removed = _finished(out) + [p for p in (*out.glob("metrics*.jsonl"),
+                                                *out.glob("samples*.jsonl"),
                                                 out / "config.yaml", out / "tensorboard")
                                     if p.exists()]
         for p in removed:
             shutil.rmtree(p) if p.is_dir() else p.unlink()
         _note(f"overwrite: removed {', '.join(str(p) for p in removed)}")
-    metrics = out / "metrics.jsonl"
-    if resume is None and metrics.exists() and metrics.stat().st_size:
-        n = 1
-        while (out / f"metrics.prev-{n}.jsonl").exists():
-            n += 1
-        metrics.rename(out / f"metrics.prev-{n}.jsonl")
-        _note(f"{metrics} held an earlier run's metrics: moved to metrics.prev-{n}.jsonl")
+    for name in ("metrics", "samples"):
+        rows = out / f"{name}.jsonl"
+        if resume is None and rows.exists() and rows.stat().st_size:
+            n = 1
+            while (out / f"{name}.prev-{n}.jsonl").exists():
+                n += 1
+            rows.rename(out / f"{name}.prev-{n}.jsonl")
+            _note(f"{rows} held an earlier run's {name}: moved to {name}.prev-{n}.jsonl")
     config_mod.dump(cfg, out / "config.yaml")
     return out
 

@@ -119,6 +119,7 @@ class _Run:
         self.run_id = json.loads((path / ckpt.MANIFEST).read_text())["run_id"]
         if dist.is_main():  # one writer: another rank's repair would orphan rank 0's file
             ckpt.truncate_metrics(self.out / "metrics.jsonl", self.step0)
+            ckpt.truncate_metrics(self.out / "samples.jsonl", self.step0)
         dist.barrier()
         print(f"[{self.job.name}] resumed from {cfg.resume_from} at step {self.step0}",
               file=sys.stderr, flush=True)
@@ -139,7 +140,7 @@ def run(cfg, job: Job, total_steps: int) -> dict[str, float]:
     dist.barrier()
     if cfg.resume_from:
         r.resume()
-    writer = MetricsWriter(r.out, cfg.tensorboard)
+    writer = MetricsWriter(r.out, cfg, r.run_id)
     start: dict[str, float] = {}
     final: dict[str, float] = {}
     try:
@@ -173,6 +174,7 @@ def _steps(r: _Run, writer: MetricsWriter, stop: StopSignals, total_steps: int) 
     progress = Progress(TextColumn(f"[bold]{job.name}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("{task.fields[info]}"), TimeRemainingColumn(),
                         console=console, disable=not interactive)
+    t_loop = time.perf_counter()
     with progress:
         task = progress.add_task(job.name, total=total_steps, completed=r.step0, info="")
         for step in range(r.step0 + 1, total_steps + 1):
@@ -182,12 +184,15 @@ def _steps(r: _Run, writer: MetricsWriter, stop: StopSignals, total_steps: int) 
                 progress.update(task, total=step)
             progress.advance(task)
             if step % cfg.log_every == 0 or step == total_steps:
-                info = "  ".join(f"{label} {r.last[key]:.3f}"
-                                 for label, key in job.progress_keys if key in r.last)
+                info = "  ".join(f"{label} {_short(r.last[key])}"
+                                 for label, key in job.progress_keys
+                                 if isinstance(r.last.get(key), (int, float)))
                 progress.update(task, info=info)
                 if not interactive and dist.is_main():
-                    print(f"[{job.name}] step {step}/{total_steps}  {info}", file=sys.stderr,
-                          flush=True)
+                    per_step = (time.perf_counter() - t_loop) / (step - r.step0)
+                    left = _clock(per_step * (total_steps - step))
+                    print(f"[{job.name}] step {step}/{total_steps}  {info}  left {left}",
+                          file=sys.stderr, flush=True)
             if stop.stopping() and step != total_steps:
                 _stop(r, step, stop.received)
             if cfg.save_every and step % cfg.save_every == 0 and step != total_steps:
@@ -195,6 +200,16 @@ def _steps(r: _Run, writer: MetricsWriter, stop: StopSignals, total_steps: int) 
             if step == total_steps:
                 break
     return total_steps
+
+
+def _short(v: float) -> str:
+    """A progress value in a few characters: 3 decimals below 100, none above."""
+    return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3f}"
+
+
+def _clock(seconds: float) -> str:
+    s = round(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
 def _finish(r: _Run, writer: MetricsWriter, stop: StopSignals, total_steps: int
@@ -251,6 +266,8 @@ def _one_step(r: _Run, writer: MetricsWriter, step: int, total: int, schedule) -
                                  "check the data and rewards)")
     row = _log_row(cfg, job, writer, r.window, step, total, lrs[0] if lrs else 0.0,
                    r.t_start, r.totals)
+    if result.samples:
+        writer.write_samples(step, result.samples)
     r.last.update(row)
     if step % cfg.log_every == 0 or step == total:
         r.window = Window()

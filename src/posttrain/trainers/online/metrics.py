@@ -84,3 +84,31 @@ def step_metrics(cfg, algo, exp, tokens, scores, mask, valid, old, ref, old_valu
             if f"train/{k}" in record:
                 record[f"critic/{k}"] = record.pop(f"train/{k}")
     return record, kl
+
+
+def sample_table(exp, tokenizer, adv: torch.Tensor, mask: torch.Tensor, k: int) -> list[dict]:
+    """The step's first ``k`` samples (groups are contiguous, so whole groups come together)
+    as rows of plain values: the prompt, the completion (an episode's whole transcript after
+    its first message), the reward and each term (None where a reward failed), the mean
+    advantage over the sample's trained tokens, the length, the finish reason, whether it
+    counts correct, and an episode's turns."""
+    ro = exp.rollout
+    n = min(k, len(ro.texts))
+    adv, mask = adv[:n].detach().double().cpu(), mask[:n].detach().double().cpu()
+    mean_adv = (adv * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    rows = []
+    for i in range(n):
+        ok = bool(exp.valid[i])
+        row = {"sample": i, "group": int(ro.group_ids[i]),
+               "prompt": tokenizer.decode(ro.prompt_ids[i], skip_special_tokens=True),
+               "completion": ro.texts[i],
+               "reward": float(exp.scores[i]) if ok else None}
+        row.update({f"reward/{name}": float(v[i]) if ok else None
+                    for name, v in exp.terms.items()})
+        row.update({"advantage": float(mean_adv[i]), "length": int(ro.lengths[i]),
+                    "finish": "length" if bool(ro.truncated[i]) else "stop",
+                    "correct": bool(exp.correct[i])})
+        if ro.stats is not None and "turns" in ro.stats:
+            row["turns"] = int(ro.stats["turns"][i])
+        rows.append(row)
+    return rows

@@ -57,7 +57,7 @@ from posttrain.trainers.loop.job import Job, StepResult
 from posttrain.trainers.loop.optim import Optim
 from posttrain.trainers.online.batch import TokenBatch
 from posttrain.trainers.online.experience import ExperienceMaker
-from posttrain.trainers.online.metrics import logprob_gap, step_metrics
+from posttrain.trainers.online.metrics import logprob_gap, sample_table, step_metrics
 from posttrain.trainers.online.producer import Producer
 from posttrain.trainers.online.sampler import build_engine, make_guard, sampler_module
 from posttrain.trainers.online.update import UpdateInputs, run_updates
@@ -70,7 +70,8 @@ __all__ = ["PPOConfig", "RLConfig", "RLTrainer", "run_rl"]
 class RLTrainer(Job):
     eval_at_start = True
     progress_keys = (("reward", "reward/mean"), ("sample acc", "reward/task_accuracy"),
-                     ("kl", "kl/seq_mean"), ("s/step", "time/step_s"))
+                     ("eval acc", "eval/accuracy"), ("kl", "kl/seq_mean"),
+                     ("tok/s", "time/tokens_per_s"), ("s/step", "time/step_s"))
 
     def __init__(self, cfg: RLConfig):
         self.cfg = cfg
@@ -324,7 +325,10 @@ class RLTrainer(Job):
                                       mask * recorded[1][:, None]))
         if kl is not None and train_policy:  # while the critic warms up the policy is the ref
             self.kl_ctl.update(kl, int(valid.sum()))
-        return StepResult(values=record, tokens=exp.sampled_tokens)
+        samples = (sample_table(exp, self.tok, adv, mask, cfg.log_samples)
+                   if cfg.log_samples_every and step % cfg.log_samples_every == 0
+                   and dist.is_main() else None)
+        return StepResult(values=record, tokens=exp.sampled_tokens, samples=samples)
 
     def _staleness(self, exp, step: int) -> dict[str, float]:
         """How many versions behind the learner's (``step - 1``) the batch's weights are:
