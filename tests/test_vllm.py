@@ -197,6 +197,30 @@ def test_async_rollouts_through_vllm_learn_and_pass_the_guard(tmp_path):
     assert all(r["sync/gap_mean"] <= r["sync/tolerance"] for r in checked)
 
 
+def test_distillation_samples_through_vllm_and_the_engine_follows_the_student(tmp_path):
+    """posttrain distill with the vLLM engine: the student (the built-in model with noise on
+    its weights) samples through vLLM, the divergence from the teacher falls, and the guard
+    accepts every weight load."""
+    from posttrain.config import DistillConfig
+    from posttrain.trainers.online.distill import run_distill
+    from test_distill import _noisy_builtin
+
+    cfg = DistillConfig(model=_noisy_builtin(tmp_path / "noisy"), teacher="builtin",
+                        output_dir=str(tmp_path / "run"), rollout_backend="vllm",
+                        device="cpu", tensorboard=False, max_steps=6, log_every=1,
+                        prompts_per_step=4, group_size=2, builtin_train_size=32,
+                        builtin_eval_size=8)
+    cfg.validate()
+    run_distill(cfg)
+    rows = [json.loads(x) for x in
+            (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    div = [r["distill/divergence"] for r in rows if "distill/divergence" in r]
+    assert len(div) == 6 and sum(div[-3:]) / 3 < 0.25 * div[0]
+    checked = [r for r in rows if "sync/gap_mean" in r]
+    assert len(checked) >= 5 and all(r["sync/gap_mean"] <= r["sync/tolerance"]
+                                     for r in checked)
+
+
 def test_ppo_with_lora_runs_through_vllm(tmp_path):
     """PPO (actor, critic, reference, reward) with LoRA adapters: the engine receives the
     merged weights at each sync and the guard accepts them."""

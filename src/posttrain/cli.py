@@ -41,10 +41,14 @@ def _commands() -> dict:
         "ppo": (f"RLHF with a per-token KL penalty in the reward: --algo {ppo} (ppo: actor, "
                 "critic, reference, reward model or function)", "PPOConfig",
                 ("online", "run_rl")),
+        "distill": ("on-policy distillation: the student samples, the teacher's distribution "
+                    "at every sampled token is the target (--teacher DIR, --beta: 1 reverse "
+                    "KL, 0 forward KL, between generalised JSD)", "DistillConfig",
+                    ("online.distill", "run_distill")),
     }
 
 
-COMMANDS = ("sft", "rm", "dpo", "grpo", "ppo")
+COMMANDS = ("sft", "rm", "dpo", "grpo", "ppo", "distill")
 
 
 def _config_class(name: str):

@@ -200,8 +200,8 @@ def dump(cfg, path: str | Path) -> None:
 
 from posttrain.config.base import RunConfig, check_device  # noqa: E402  (they use check)
 from posttrain.config.offline import DPOConfig, OfflineConfig, RMConfig, SFTConfig  # noqa: E402
-from posttrain.config.rl import PPOConfig, RLConfig  # noqa: E402
+from posttrain.config.rl import DistillConfig, PPOConfig, RLConfig  # noqa: E402
 
-__all__ = ["ConfigError", "DPOConfig", "OfflineConfig", "PPOConfig", "RLConfig", "RMConfig",
-           "RunConfig", "SFTConfig", "apply", "check", "check_device", "dump", "field_docs", "load",
-           "parse_overrides"]
+__all__ = ["ConfigError", "DPOConfig", "DistillConfig", "OfflineConfig", "PPOConfig", "RLConfig",
+           "RMConfig", "RunConfig", "SFTConfig", "apply", "check", "check_device", "dump",
+           "field_docs", "load", "parse_overrides"]

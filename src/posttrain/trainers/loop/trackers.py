@@ -12,9 +12,9 @@ library is imported only when named. The tracker's run is keyed by the posttrain
   logged against a ``step`` metric of their own, so the rows a killed run wrote after its
   last checkpoint stay beside the resumed run's.
 - **mlflow** — the store ``MLFLOW_TRACKING_URI`` names, else a local SQLite store
-  ``OUTPUT_DIR/mlflow.db`` with its artifacts in ``OUTPUT_DIR/mlartifacts``; experiment ``MLFLOW_EXPERIMENT_NAME`` (default ``posttrain``);
-  the run is found again by its tag ``posttrain.run_id``. Tables are ``log_table``
-  artifacts ``samples/step-<S>.json``.
+  ``OUTPUT_DIR/mlflow.db`` with its artifacts in ``OUTPUT_DIR/mlartifacts``; experiment
+  ``MLFLOW_EXPERIMENT_NAME`` (default ``posttrain``); the run is found again by its tag
+  ``posttrain.run_id``. Tables are ``log_table`` artifacts ``samples/step-<S>.json``.
 - **trackio** — project ``TRACKIO_PROJECT`` (default ``posttrain``), stored where trackio
   stores (``TRACKIO_DIR``); run name ``<output dir>-<run id>``, ``resume="allow"``.
 
