@@ -178,10 +178,12 @@ def test_bad_teachers_are_one_line_and_exit_2(tmp_path, capsys):
 
 
 @pytest.mark.multiprocess
-def test_two_ranks_distill_as_one(tiny_model_dir, tmp_path):
-    """DDP: each rank's samples, the divergence's token mean over the whole minibatch, the
-    gradients summed: the single process's weights within 1e-5 (lr 1e-5: AdamW moves a
-    weight by about lr whatever its gradient, see tests/test_distributed.py)."""
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_ranks_distill_as_one(tiny_model_dir, tmp_path, parallel):
+    """Each rank's samples, the divergence's token mean over the whole minibatch, the
+    gradients summed (DDP) or reduce-scattered (FSDP2): the single process's weights within
+    1e-5 (lr 1e-5: AdamW moves a weight by about lr whatever its gradient, see
+    tests/test_distributed.py)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     outs = {}
     for ranks in (1, 2):
@@ -190,7 +192,8 @@ def test_two_ranks_distill_as_one(tiny_model_dir, tmp_path):
                    "--standalone"] if ranks > 1 else [sys.executable])
         args = [*SMALL, "--model", tiny_model_dir, "--teacher", "builtin", "--prompts_per_step",
                 "3", "--group_size", "4", "--minibatch_size", "6", "--lr", "1e-5",
-                "--max_steps", "3", "--output_dir", str(out)]
+                "--max_steps", "3", "--output_dir", str(out),
+                *(["--parallel", parallel] if ranks > 1 else [])]
         proc = subprocess.run([*launch, "-m", "posttrain", *args], env=env,
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]

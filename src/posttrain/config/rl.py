@@ -493,5 +493,4 @@ class DistillConfig(RLConfig):
               "--tools yet)")
         check(self.share_prompt is not True, "distill runs whole sequences (share_prompt "
               "false)")
-        check(self.parallel == "ddp", "distill runs with parallel=ddp (FSDP not yet)")
         check(self.kl_coef in (None, 0.0), "distill has no reference policy: leave kl_coef 0")

@@ -6,8 +6,8 @@ the teacher's whole next-token distributions at every sampled position
 tokens, in minibatches and micro-batches against the minibatch's token count (so the
 gradient depends on neither the micro-batch split nor the ranks). The teacher runs each
 micro-batch's sequences once, without gradient; the full-vocabulary logits of both models
-are held for one micro-batch at a time. LoRA and torchrun (DDP) work as for the other RL
-commands; the engine follows the student after every step, checked by the guard."""
+are held for one micro-batch at a time. LoRA and torchrun (DDP, FSDP2) work as for the
+other RL commands; the engine follows the student after every step, checked by the guard."""
 
 from __future__ import annotations
 
@@ -61,6 +61,9 @@ class DistillTrainer(RLTrainer):
         exp = self.experience.collect(step)
         self.engine.sleep()
         t0 = time.perf_counter()
+        if self.sharded:  # every rank holds every row; its own are dealt out evenly
+            exp.local, exp.own = exp.rollout, torch.arange(len(exp.valid))[dist.rank()::
+                                                                           dist.world_size()]
         valid = exp.valid.to(self.device)
         mask = exp.rollout.trained_mask.to(self.device).float() * valid[:, None]
         tokens = TokenBatch(exp.local, self.tok.pad_token_id, self.device, False, 1.0)
