@@ -2,9 +2,10 @@
 
 The teacher is the quick start's GRPO model (``posttrain grpo``, defaults, trained here
 unless ``--teacher DIR`` names one). Each seed then runs, from the built-in start,
-``posttrain grpo`` (the teacher's own recipe, another seed) and ``posttrain distill
---teacher`` (defaults: 16 prompts × 4 samples a step, 60 steps, reverse KL), both evaluated
-every 10 steps on the held-out split. Reported: held-out accuracy against the completion
+``posttrain grpo`` (the teacher's own recipe: 16 prompts × 8 samples a step), ``posttrain
+grpo --group_size 4`` (the samples per step of distill), and ``posttrain distill
+--teacher`` (defaults: 16 prompts × 4 samples a step, reverse KL), 60 steps each, evaluated
+every 5 steps on the held-out split. Reported: held-out accuracy against the completion
 tokens sampled so far, the tokens each needs to reach 85% and 90%, and the final accuracy
 (mean ± sd over seeds).
 
@@ -27,7 +28,7 @@ from pathlib import Path
 def _run(command: list[str], out: Path) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     subprocess.run([sys.executable, "-m", "posttrain", *command, "--output_dir", str(out),
-                    "--tensorboard", "false", "--eval_every", "10", "--overwrite", "true"],
+                    "--tensorboard", "false", "--eval_every", "5", "--overwrite", "true"],
                    env=env, check=True, stdout=subprocess.DEVNULL)
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -60,10 +61,12 @@ def main() -> int:
         rows = _run(["grpo"], out / "teacher")
         teacher = str(out / "teacher" / "final")
         print(json.dumps({"teacher": teacher, "accuracy": curve(rows)[-1][2]}), flush=True)
-    results: dict[str, list] = {"grpo": [], "distill": []}
+    runs = {"grpo": ["grpo"], "grpo 16×4": ["grpo", "--group_size", "4"],
+            "distill": ["distill", "--teacher", teacher]}
+    results: dict[str, list] = {name: [] for name in runs}
     for seed in args.seeds:
-        for name, cmd in (("grpo", ["grpo"]), ("distill", ["distill", "--teacher", teacher])):
-            c = curve(_run([*cmd, "--seed", str(seed)], out / f"{name}-{seed}"))
+        for name, cmd in runs.items():
+            c = curve(_run([*cmd, "--seed", str(seed)], out / f"{name.replace(' ', '')}-{seed}"))
             results[name].append(c)
             print(json.dumps({"run": name, "seed": seed, "curve": c}), flush=True)
     print("\n| run | seed | held-out accuracy at steps 0/10/20/30/40/50/60 (tokens) | "
@@ -71,7 +74,7 @@ def main() -> int:
     print("|---|---|---|---|---|---|")
     for name, curves in results.items():
         for seed, c in zip(args.seeds, curves, strict=True):
-            points = ", ".join(f"{a:.3f} ({t:,})" for _, t, a in c)
+            points = ", ".join(f"{a:.3f} ({t:,})" for s, t, a in c if s % 10 == 0)
             print(f"| {name} | {seed} | {points} | {tokens_to(c, 0.85) or '-'} | "
                   f"{tokens_to(c, 0.90) or '-'} | {c[-1][2]:.3f} |")
     print("\n| run | final accuracy mean ± sd | tokens to 85% (median) | tokens (whole run) |")

@@ -205,8 +205,9 @@ def test_two_ranks_distill_as_one(tiny_model_dir, tmp_path, parallel):
     ra = [r for r in _rows(outs[1]) if "distill/divergence" in r]
     rb = [r for r in _rows(outs[2]) if "distill/divergence" in r]
     assert [r["reward/mean"] for r in ra] == [r["reward/mean"] for r in rb]
-    for x, y in zip(ra, rb, strict=True):
-        assert y["distill/divergence"] == pytest.approx(x["distill/divergence"], rel=1e-4)
+    for x, y in zip(ra, rb, strict=True):  # (AdamW hides a gradient's scale; these do not)
+        for k in ("distill/divergence", "train/loss", "train/grad_norm"):
+            assert y[k] == pytest.approx(x[k], rel=1e-4), k
 
 
 @pytest.mark.e2e
@@ -217,8 +218,9 @@ def test_distilling_the_quick_start_grpo_model_reaches_85_percent(tmp_path):
     sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
     from distill import _run, curve, tokens_to
 
-    grpo = curve(_run(["grpo"], tmp_path / "teacher"))
+    grpo = curve(_run(["grpo"], tmp_path / "teacher"))  # (evaluated every 5 steps)
     teacher = str(tmp_path / "teacher" / "final")
     student = curve(_run(["distill", "--teacher", teacher], tmp_path / "student"))
     assert student[-1][2] >= 0.85, student
+    assert tokens_to(student, 0.85) is not None and tokens_to(grpo, 0.85) is not None
     assert tokens_to(student, 0.85) < tokens_to(grpo, 0.85), (student, grpo)

@@ -201,3 +201,38 @@ def test_a_bad_or_missing_tracker_is_one_line_before_anything_loads(tmp_path, mo
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_tracker_that_cannot_start_stops_the_run_in_one_line(tmp_path, monkeypatch, capsys):
+    """An MLflow store that cannot be opened (its directory is a file): one line naming the
+    tracker, exit 2, before the first step."""
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/a-file/mlflow.db")
+    out = tmp_path / "run"
+    assert main([*COMMON, "--max_steps", "1", "--report_to", "mlflow", "--output_dir",
+                 str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: report_to=mlflow: the tracker did not start")
+    assert not (out / "final").exists()
+
+
+def test_a_tracker_that_fails_while_logging_is_dropped_and_the_run_goes_on(tmp_path, caplog):
+    from posttrain.trainers.loop.metrics import MetricsWriter
+    from posttrain.trainers.loop.trackers import Tracker
+
+    class Broken(Tracker):
+        calls = 0
+
+        def log(self, step, metrics):
+            Broken.calls += 1
+            raise ConnectionError("lost")
+
+    writer = MetricsWriter(tmp_path)
+    writer.trackers = [Broken()]
+    writer.write(1, {"a": 1.0})
+    writer.write(2, {"a": 2.0})
+    writer.close()
+    assert Broken.calls == 1 and writer.trackers == []
+    assert "Broken failed (ConnectionError: lost): no longer logging to it" in caplog.text
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["a"] for r in rows] == [1.0, 2.0]

@@ -34,7 +34,12 @@ class MetricsWriter:
         self.samples_path = output_dir / "samples.jsonl"
         self.file = self.path.open("a") if main else open(os.devnull, "w")  # noqa: SIM115
         self.samples = None
-        self.trackers = trackers.open_trackers(cfg, output_dir, run_id) if main and cfg else []
+        try:
+            self.trackers = (trackers.open_trackers(cfg, output_dir, run_id) if main and cfg
+                             else [])
+        except Exception:
+            self.file.close()
+            raise
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         """One row of strict JSON: a value that is not a finite number is written as null."""
@@ -69,8 +74,7 @@ class MetricsWriter:
         self.file.close()
         if self.samples is not None:
             self.samples.close()
-        for t in self.trackers:
-            t.close()
+        self._each(lambda t: t.close())
 
 
 class Window:

@@ -140,7 +140,11 @@ def run(cfg, job: Job, total_steps: int) -> dict[str, float]:
     dist.barrier()
     if cfg.resume_from:
         r.resume()
-    writer = MetricsWriter(r.out, cfg, r.run_id)
+    try:
+        writer = MetricsWriter(r.out, cfg, r.run_id)
+    except Exception:  # a tracker that did not start: the job's engine still closes
+        job.close()
+        raise
     start: dict[str, float] = {}
     final: dict[str, float] = {}
     try:

@@ -220,14 +220,25 @@ def open_trackers(cfg, out: Path, run_id: str) -> list[Tracker]:
             and importlib.util.find_spec("tensorboard") is not None):
         names.insert(0, "tensorboard")
     config = config_dict(cfg) if names else {}
-    out_trackers: list[Tracker] = []
+    opened: list[Tracker] = []
     for name in names:
-        if name == "tensorboard":
-            out_trackers.append(TensorBoard(out))
-        elif name == "wandb":
-            out_trackers.append(WandB(out, run_id, config))
-        elif name == "mlflow":
-            out_trackers.append(MLflow(out, run_id, config))
-        elif name == "trackio":
-            out_trackers.append(Trackio(out, run_id, config))
-    return out_trackers
+        try:
+            if name == "tensorboard":
+                opened.append(TensorBoard(out))
+            elif name == "wandb":
+                opened.append(WandB(out, run_id, config))
+            elif name == "mlflow":
+                opened.append(MLflow(out, run_id, config))
+            elif name == "trackio":
+                opened.append(Trackio(out, run_id, config))
+        except Exception as e:  # before the first step: nothing is lost by stopping here
+            for t in opened:
+                t.close()
+            raise TrackerError(f"report_to={name}: the tracker did not start "
+                               f"({type(e).__name__}: {e})") from e
+    return opened
+
+
+class TrackerError(ValueError):
+    """A tracker named in ``report_to`` could not start its run (a setup error: no
+    account, an unreachable server)."""

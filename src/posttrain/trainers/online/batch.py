@@ -16,8 +16,6 @@ from posttrain import data as data_mod
 from posttrain.models import (
     completion_hidden,
     completion_logprobs,
-    has_plain_head,
-    head_logits,
     packing_pays,
     shared_prompt_hidden,
     shared_prompt_logprobs,
@@ -127,16 +125,6 @@ class TokenBatch:
         cols = cols.clamp_max(outs[0].shape[1] - 1)
         res = [torch.where(mask, x.gather(1, cols), 0.0) for x in outs]
         return tuple(res) if with_entropy else res[0]
-
-    def completion_logits(self, model, rows: torch.Tensor) -> torch.Tensor:
-        """The logits that predict each completion token of ``rows``, ``(n, V)`` in the
-        row-major order of ``completion_mask[rows]`` (whole sequences: share_prompt off)."""
-        ids, attn, target = (self.full[k][rows] for k in ("input_ids", "attention_mask",
-                                                          "loss_mask"))
-        if has_plain_head(model):
-            return head_logits(model, completion_hidden(model, ids, attn, target))
-        return model(input_ids=ids, attention_mask=attn,
-                     use_cache=False).logits[:, :-1][target[:, 1:].bool()]
 
     def _routing(self, rows: torch.Tensor):
         """The routing context of a forward of ``rows`` (a no-op without one); rows never

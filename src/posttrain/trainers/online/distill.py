@@ -66,10 +66,13 @@ class DistillTrainer(RLTrainer):
                                                                            dist.world_size()]
         valid = exp.valid.to(self.device)
         mask = exp.rollout.trained_mask.to(self.device).float() * valid[:, None]
-        tokens = TokenBatch(exp.local, self.tok.pad_token_id, self.device, False, 1.0)
+        # (a rank whose rows were all dropped, e.g. by dynamic sampling, has no batch: it
+        # adds nothing to the gradient, and its optimiser step still joins the sum)
+        tokens = (TokenBatch(exp.local, self.tok.pad_token_id, self.device, False, 1.0)
+                  if len(exp.own) or self.sharded else None)
         local_of = self._local_of(exp)
         opt = self.optimizers[0]
-        n_steps, loss_sum, div_tok = 0, 0.0, torch.zeros_like(mask)
+        n_steps, loss_sum, norm_sum, div_tok = 0, 0.0, 0.0, torch.zeros_like(mask)
         adv = None
         if cfg.reward_weight:
             scores = self.experience.shape_scores(exp.scores, exp.rollout, exp.valid)
@@ -86,7 +89,7 @@ class DistillTrainer(RLTrainer):
                     continue
                 loss_sum += self._accumulate(tokens, mask, idx, local_of, n_tokens, div_tok,
                                              adv, behaviour)
-                grad_norm = opt.step()
+                norm_sum += opt.step()
                 n_steps += 1
         # every rank's divergence per token (each rank filled its own rows)
         if dist.world_size() > 1:
@@ -110,8 +113,8 @@ class DistillTrainer(RLTrainer):
             "time/tokens_per_s": float(ro.trained_mask.sum()) / max(exp.generate_s, 1e-9),
             **checked,
         }
-        if n_steps:
-            record["train/grad_norm"] = grad_norm
+        if n_steps:  # the mean over the step's optimiser steps, as the RL trainer logs it
+            record["train/grad_norm"] = norm_sum / n_steps
         samples = None
         if cfg.log_samples_every and step % cfg.log_samples_every == 0 and dist.is_main():
             samples = sample_table(exp, self.tok, adv if adv is not None
@@ -133,7 +136,8 @@ class DistillTrainer(RLTrainer):
         for i in _micro_starts(len(rows), cfg.micro_batch_size, self.policy):
             mb = rows[i:i + cfg.micro_batch_size]
             if not len(mb):
-                _keep_step(lambda: self._per_token(tokens, local_of[idx[:1]])[0])
+                # (sharded: the batch holds every row, so any row stands in)
+                _keep_step(lambda: self._per_token(tokens, idx[:1])[0])
                 continue
             where = tokens.completion_mask[local_of[mb]].bool()  # the rows' flat token order
             div, lp = self._per_token(tokens, local_of[mb])
@@ -157,7 +161,8 @@ class DistillTrainer(RLTrainer):
         the two models' backbones run once and the heads run in chunks of tokens, each
         chunk's logits recomputed in the backward (:func:`torch.utils.checkpoint`), once the
         logits would reach the fused head's size (``FUSED_HEAD_MIN_ELEMENTS``): the
-        vocabulary-sized logits of both models are never held whole."""
+        vocabulary-sized logits of both models are never held whole. Sharded (FSDP2), the
+        heads run whole on the micro-batch."""
         ids, attn, target = (tokens.full[k][local] for k in ("input_ids", "attention_mask",
                                                              "loss_mask"))
         labels = tokens.completion_ids[local][tokens.completion_mask[local].bool()]
@@ -172,7 +177,9 @@ class DistillTrainer(RLTrainer):
             h_teacher = completion_hidden(self.teacher, ids, attn, target)
         h_student = completion_hidden(self.policy, ids, attn, target)
         n, V = len(labels), self.policy.get_output_embeddings().weight.shape[0]
-        if n * V < for_device(FUSED_HEAD_MIN_ELEMENTS, h_student.device):
+        # sharded: one call of each head per micro-batch, as the RL trainer's log-probs
+        # (every rank must make the same FSDP calls, and the token counts differ by rank)
+        if self.sharded or n * V < for_device(FUSED_HEAD_MIN_ELEMENTS, h_student.device):
             return self._chunk(head_logits(self.policy, h_student),
                                head_logits(self.teacher, h_teacher), labels)
         size = max(1, self.chunk_elements // V)
