@@ -28,7 +28,8 @@ from pathlib import Path
 def _run(command: list[str], out: Path) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     subprocess.run([sys.executable, "-m", "posttrain", *command, "--output_dir", str(out),
-                    "--tensorboard", "false", "--eval_every", "5", "--overwrite", "true"],
+                    "--tensorboard", "false", "--eval_every", "5", "--log_every", "5",
+                    "--overwrite", "true"],
                    env=env, check=True, stdout=subprocess.DEVNULL)
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
