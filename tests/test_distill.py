@@ -77,7 +77,7 @@ def test_the_chunked_head_path_is_the_plain_one(tiny_model_dir, tmp_path, monkey
     the same divergences and the same gradient, to float32 rounding."""
     from posttrain.trainers.online import distill
 
-    t = _trainer(tiny_model_dir, str(builtin_model_dir()), tmp_path, reward_weight=1.0)
+    t = _trainer(tiny_model_dir, str(builtin_model_dir()), tmp_path, reward_coef=1.0)
     _, tokens, rows = _step_inputs(t)
     out = {}
     for name, threshold in (("plain", 1 << 60), ("chunked", 0)):

@@ -457,15 +457,16 @@ class DistillConfig(RLConfig):
     """``posttrain distill``: on-policy distillation on the RL loop (docs/algorithms.md). The
     student samples; the teacher's whole next-token distribution at every sampled position
     is the target; the loss is the per-token divergence of ``beta``. The reward terms are
-    scored and logged (accuracy, the sample tables), and train with ``reward_weight``."""
+    scored and logged (accuracy, the sample tables), and train with ``reward_coef``."""
 
     COMMAND: ClassVar[str] = "distill"
     teacher: str | None = None
-    """The teacher: a model directory or hub id with the student's vocabulary (required)."""
+    """The teacher: a model directory, hub id or builtin, with the student's vocabulary
+    (required)."""
     beta: float = 1.0
     """The divergence: 1 = reverse KL(student‖teacher), 0 = forward KL(teacher‖student),
     between = the generalised Jensen–Shannon divergence of that β."""
-    reward_weight: float = 0.0
+    reward_coef: float = 0.0
     """Also train on the reward terms: this weight times the algorithm's clipped
     policy-gradient loss of their advantages (GRPO's group advantages by default), against
     the sampling policy's log-probs; 0 = the rewards are scored and logged only."""
@@ -486,7 +487,7 @@ class DistillConfig(RLConfig):
         check(self.teacher is not None, "distill needs --teacher DIR (a model with the "
               "student's vocabulary)")
         check(0.0 <= self.beta <= 1.0, f"beta must be in [0, 1], got {self.beta}")
-        check(self.reward_weight >= 0, f"reward_weight must be ≥ 0, got {self.reward_weight}")
+        check(self.reward_coef >= 0, f"reward_coef must be ≥ 0, got {self.reward_coef}")
         check(self.async_staleness == 0, "distill runs the synchronous loop "
               "(async_staleness 0)")
         check(not self.episodic, "distill trains single-turn completions (no --env or "

@@ -74,7 +74,7 @@ class DistillTrainer(RLTrainer):
         opt = self.optimizers[0]
         n_steps, loss_sum, norm_sum, div_tok = 0, 0.0, 0.0, torch.zeros_like(mask)
         adv = None
-        if cfg.reward_weight:
+        if cfg.reward_coef:
             scores = self.experience.shape_scores(exp.scores, exp.rollout, exp.valid)
             adv, _ = compute_advantages(self.algo, scores.to(self.device),
                                         self._group_ids(exp).to(self.device), mask)
@@ -127,7 +127,7 @@ class DistillTrainer(RLTrainer):
                     local_of: torch.Tensor, n_tokens: float, div_tok: torch.Tensor,
                     adv: torch.Tensor | None, behaviour: torch.Tensor) -> float:
         """Backward this rank's share of the minibatch ``idx``'s loss (the token-mean
-        divergence, plus ``reward_weight`` times the clipped policy-gradient loss of the
+        divergence, plus ``reward_coef`` times the clipped policy-gradient loss of the
         rewards' advantages), in micro-batches; each position's divergence is written to
         ``div_tok``. Returns this rank's share of the loss."""
         cfg = self.cfg
@@ -146,7 +146,7 @@ class DistillTrainer(RLTrainer):
                 lp2 = torch.zeros_like(mask[mb]).masked_scatter(where, lp)
                 pg, _ = policy_objective(self.algo, PolicyInputs(
                     lp2, behaviour[mb], adv[mb], mask[mb]))
-                loss = loss + cfg.reward_weight * (pg * mask[mb]).sum() / n_tokens
+                loss = loss + cfg.reward_coef * (pg * mask[mb]).sum() / n_tokens
             loss.backward()
             total += float(loss.detach())
             div_tok[mb] = torch.zeros_like(div_tok[mb]).masked_scatter(
@@ -197,7 +197,7 @@ class DistillTrainer(RLTrainer):
 
     def _chunk(self, student: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor):
         div = distill_token_loss(student, teacher, self.cfg.beta)
-        if not self.cfg.reward_weight:
+        if not self.cfg.reward_coef:
             return div, torch.zeros_like(div)
         lp = torch.log_softmax(tempered(student.float(), self.cfg.temperature), -1)
         return div, lp.gather(-1, labels[:, None]).squeeze(-1)
