@@ -33,10 +33,6 @@ import sys
 import time
 from pathlib import Path
 
-NAMES = ("tensorboard", "wandb", "mlflow", "trackio")
-MODULES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow",
-           "trackio": "trackio"}
-
 
 def parse(report_to: str) -> list[str]:
     """The tracker names in ``report_to`` (comma-separated; ``none`` or empty: none)."""
@@ -48,9 +44,9 @@ def check(report_to: str) -> str | None:
     """The problem with ``report_to`` in one line, or None: an unknown name, or a tracker
     whose package is not installed."""
     for name in parse(report_to):
-        if name not in NAMES:
-            return f"report_to: unknown tracker {name!r} (choose from {', '.join(NAMES)})"
-        if importlib.util.find_spec(MODULES[name]) is None:
+        if name not in TRACKERS:
+            return f"report_to: unknown tracker {name!r} (choose from {', '.join(TRACKERS)})"
+        if importlib.util.find_spec(name) is None:
             return (f"report_to={name} needs the {name} package, which is not installed: "
                     f"pip install 'posttrain[trackers]' (or pip install {name})")
     return None
@@ -65,8 +61,15 @@ def _text(v) -> str:
     return "" if v is None else str(v)
 
 
+def _columns(rows: list[dict]) -> tuple[list[str], list[list]]:
+    """A table's column names (the first row's keys) and its rows as lists."""
+    cols = list(rows[0])
+    return cols, [[r.get(c) for c in cols] for r in rows]
+
+
 class Tracker:
-    """One tracker's run: ``log`` a row of metrics, ``table`` a step's samples, ``close``."""
+    """One tracker's run, started from ``(out, run_id, config)``: ``log`` a row of metrics,
+    ``table`` a step's samples (never empty), ``close``."""
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         raise NotImplementedError
@@ -79,7 +82,7 @@ class Tracker:
 
 
 class TensorBoard(Tracker):
-    def __init__(self, out: Path):
+    def __init__(self, out: Path, run_id: str, config: dict):
         from torch.utils.tensorboard import SummaryWriter
 
         self.w = SummaryWriter(str(out / "tensorboard"))
@@ -90,12 +93,10 @@ class TensorBoard(Tracker):
         self.w.flush()
 
     def table(self, step, rows):
-        if not rows:
-            return
-        cols = list(rows[0])
+        cols, data = _columns(rows)
         cell = lambda v: _text(v).replace("|", "\\|").replace("\n", "<br>")  # noqa: E731
         md = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-        md += ["| " + " | ".join(cell(r.get(c)) for c in cols) + " |" for r in rows]
+        md += ["| " + " | ".join(cell(v) for v in row) + " |" for row in data]
         self.w.add_text("sample_table", "\n".join(md), step)
         self.w.flush()
 
@@ -118,11 +119,8 @@ class WandB(Tracker):
         self.run.log({**_finite(metrics), "step": step})
 
     def table(self, step, rows):
-        if not rows:
-            return
-        cols = list(rows[0])
-        t = self.wandb.Table(columns=cols, data=[[r.get(c) for c in cols] for r in rows])
-        self.run.log({"sample_table": t, "step": step})
+        cols, data = _columns(rows)
+        self.run.log({"sample_table": self.wandb.Table(columns=cols, data=data), "step": step})
 
     def close(self):
         self.run.finish()
@@ -167,10 +165,9 @@ class MLflow(Tracker):
             self.client.log_batch(self.run_id, metrics=items[i:i + 1000])
 
     def table(self, step, rows):
-        if not rows:
-            return
-        cols = list(rows[0])
-        self.client.log_table(self.run_id, {c: [r.get(c) for r in rows] for c in cols},
+        cols, data = _columns(rows)
+        self.client.log_table(self.run_id, {c: [row[j] for row in data]
+                                            for j, c in enumerate(cols)},
                               f"samples/step-{step:06d}.json")
 
     def close(self):
@@ -195,16 +192,18 @@ class Trackio(Tracker):
             self.trackio.log(_finite(metrics), step=step)
 
     def table(self, step, rows):
-        if not rows:
-            return
-        cols = list(rows[0])
-        t = self.trackio.Table(columns=cols, data=[[r.get(c) for c in cols] for r in rows])
+        cols, data = _columns(rows)
+        t = self.trackio.Table(columns=cols, data=data)
         with contextlib.redirect_stdout(sys.stderr):
             self.trackio.log({"sample_table": t}, step=step)
 
     def close(self):
         with contextlib.redirect_stdout(sys.stderr):
             self.trackio.finish()
+
+
+TRACKERS = {"tensorboard": TensorBoard, "wandb": WandB, "mlflow": MLflow, "trackio": Trackio}
+"""The trackers by name, each named as its package."""
 
 
 def config_dict(cfg) -> dict:
@@ -223,14 +222,7 @@ def open_trackers(cfg, out: Path, run_id: str) -> list[Tracker]:
     opened: list[Tracker] = []
     for name in names:
         try:
-            if name == "tensorboard":
-                opened.append(TensorBoard(out))
-            elif name == "wandb":
-                opened.append(WandB(out, run_id, config))
-            elif name == "mlflow":
-                opened.append(MLflow(out, run_id, config))
-            elif name == "trackio":
-                opened.append(Trackio(out, run_id, config))
+            opened.append(TRACKERS[name](out, run_id, config))
         except Exception as e:  # before the first step: nothing is lost by stopping here
             for t in opened:
                 t.close()

@@ -27,7 +27,7 @@ from posttrain.models.logprobs import FUSED_HEAD_MIN_ELEMENTS, tempered
 from posttrain.trainers import trained
 from posttrain.trainers.loop.job import StepResult
 from posttrain.trainers.online.batch import TokenBatch
-from posttrain.trainers.online.metrics import sample_table
+from posttrain.trainers.online.metrics import sample_metrics
 from posttrain.trainers.online.trainer import RLTrainer
 from posttrain.trainers.online.update import _keep_step, _micro_starts
 
@@ -61,15 +61,11 @@ class DistillTrainer(RLTrainer):
         exp = self.experience.collect(step)
         self.engine.sleep()
         t0 = time.perf_counter()
-        if self.sharded:  # every rank holds every row; its own are dealt out evenly
-            exp.local, exp.own = exp.rollout, torch.arange(len(exp.valid))[dist.rank()::
-                                                                           dist.world_size()]
         valid = exp.valid.to(self.device)
         mask = exp.rollout.trained_mask.to(self.device).float() * valid[:, None]
-        # (a rank whose rows were all dropped, e.g. by dynamic sampling, has no batch: it
-        # adds nothing to the gradient, and its optimiser step still joins the sum)
-        tokens = (TokenBatch(exp.local, self.tok.pad_token_id, self.device, False, 1.0)
-                  if len(exp.own) or self.sharded else None)
+        # (a rank left without rows, e.g. by dynamic sampling, has no batch; its optimiser
+        # step still joins the sum)
+        tokens = self._token_batch(exp, False, 1.0)
         local_of = self._local_of(exp)
         opt = self.optimizers[0]
         n_steps, loss_sum, norm_sum, div_tok = 0, 0.0, 0.0, torch.zeros_like(mask)
@@ -96,18 +92,11 @@ class DistillTrainer(RLTrainer):
             dist.sum_flat(div_tok)
         t_update = time.perf_counter()
         checked = self._sync_sampler(tokens, n_steps, step)
-        per_sample = (div_tok * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-        raw = exp.scores[exp.valid] if exp.valid.any() else exp.scores
         ro = exp.rollout
         record = {
             "distill/divergence": float((div_tok * mask).sum() / mask.sum().clamp(min=1)),
             "train/loss": dist.sum_floats([loss_sum])[0] / max(n_steps, 1),
-            "reward/mean": float(raw.mean()),
-            **{f"reward/{k}": float(v.nan_to_num().mean()) for k, v in exp.terms.items()},
-            "reward/task_accuracy": float(exp.correct[exp.valid].float().mean())
-            if exp.valid.any() else 0.0,
-            "completion/length_mean": float(ro.lengths.float().mean()),
-            "completion/truncated_frac": float(ro.truncated.float().mean()),
+            **sample_metrics(exp),
             "optim/steps": n_steps,
             "time/generate_s": exp.generate_s, "time/update_s": t_update - t0,
             "time/tokens_per_s": float(ro.trained_mask.sum()) / max(exp.generate_s, 1e-9),
@@ -115,12 +104,11 @@ class DistillTrainer(RLTrainer):
         }
         if n_steps:  # the mean over the step's optimiser steps, as the RL trainer logs it
             record["train/grad_norm"] = norm_sum / n_steps
-        samples = None
-        if cfg.log_samples_every and step % cfg.log_samples_every == 0 and dist.is_main():
-            samples = sample_table(exp, self.tok, adv if adv is not None
-                                   else torch.zeros_like(mask), mask, cfg.log_samples)
-            for row in samples:
-                row["divergence"] = float(per_sample[row["sample"]])
+        samples = self._sample_table(exp, adv if adv is not None else torch.zeros_like(mask),
+                                     mask, step)
+        per_sample = (div_tok * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        for row in samples or ():
+            row["divergence"] = float(per_sample[row["sample"]])
         return StepResult(values=record, tokens=exp.sampled_tokens, samples=samples)
 
     def _accumulate(self, tokens: TokenBatch, mask: torch.Tensor, idx: torch.Tensor,

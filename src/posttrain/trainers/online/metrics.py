@@ -28,17 +28,15 @@ def logprob_gap(recomputed: torch.Tensor, sampled: torch.Tensor, mask: torch.Ten
             "sampling/logprob_gap_frac_gt_0.1": float((gap > 0.1).float().mean())}
 
 
-def step_metrics(cfg, algo, exp, tokens, scores, mask, valid, old, ref, old_values, returns,
-                 live, sums: dict[str, float], n_steps: int, n_critic_steps: int,
-                 times: dict[str, float]) -> tuple[dict[str, float], float | None]:
-    """The step's record and, when the reward carries a KL penalty, the mean per-sequence KL
-    (what the adaptive controller tracks)."""
+def sample_metrics(exp) -> dict[str, float]:
+    """What the step's samples scored and how long they ran: the reward (valid samples)
+    and each term, the task accuracy, the samples skipped on a reward error, the
+    completions' lengths and the share cut by the token budget (episodes: completion =
+    every token after the first message; truncated = an episode cut at max_turns or
+    max_episode_tokens)."""
     ro = exp.rollout
-    G = cfg.group_size
     raw = exp.scores[exp.valid] if exp.valid.any() else exp.scores
-    n_updates = max(n_steps, n_critic_steps, 1)
-    record = {f"train/{k}": v / n_updates for k, v in sums.items()}
-    record.update({
+    return {
         "reward/mean": float(raw.mean()),
         "reward/std": float(raw.std()) if len(raw) > 1 else 0.0,
         **{f"reward/{k}": float(v.nan_to_num().mean()) for k, v in exp.terms.items()},
@@ -48,8 +46,20 @@ def step_metrics(cfg, algo, exp, tokens, scores, mask, valid, old, ref, old_valu
         "completion/length_mean": float(ro.lengths.float().mean()),
         "completion/length_max": int(ro.lengths.max()),
         "completion/truncated_frac": float(ro.truncated.float().mean()),
-        # (episodes: completion = every token after the first message; truncated = an
-        # episode cut at max_turns or max_episode_tokens)
+    }
+
+
+def step_metrics(cfg, algo, exp, tokens, scores, mask, valid, old, ref, old_values, returns,
+                 live, sums: dict[str, float], n_steps: int, n_critic_steps: int,
+                 times: dict[str, float]) -> tuple[dict[str, float], float | None]:
+    """The step's record and, when the reward carries a KL penalty, the mean per-sequence KL
+    (what the adaptive controller tracks)."""
+    ro = exp.rollout
+    G = cfg.group_size
+    n_updates = max(n_steps, n_critic_steps, 1)
+    record = {f"train/{k}": v / n_updates for k, v in sums.items()}
+    record.update(sample_metrics(exp))
+    record.update({
         "groups/zero_signal_frac": float((~groups_with_signal(exp.scores, ro.group_ids))
                                          .view(-1, G).all(-1).float().mean()),
         "groups/dropped": exp.dropped_groups, "sampling/rounds": exp.rounds,

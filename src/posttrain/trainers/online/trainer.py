@@ -244,16 +244,9 @@ class RLTrainer(Job):
             log.warning("step %d: every sample's reward failed (on_reward_error=skip): the "
                         "step learns nothing", step)
         t0 = time.perf_counter()
-        # this rank's samples (all of them in a world of one); every other tensor of the
-        # step covers the whole step's samples, the same on every rank. Sharded, any rank
-        # can compute any sample (nothing is replayed): the rows are dealt out evenly.
-        if self.sharded:
-            exp.local, exp.own = exp.rollout, torch.arange(len(exp.valid))[dist.rank()::
-                                                                           dist.world_size()]
         share = self.share_prompt and (exp.rollout.loss_mask is None
                                        or _groups_share_prompts(exp.rollout))
-        tokens = (TokenBatch(exp.local, self.tok.pad_token_id, self.device, share,
-                             cfg.temperature) if len(exp.own) or self.sharded else None)
+        tokens = self._token_batch(exp, share, cfg.temperature)
         routed = None  # the policy's routing through the step's passes (MoE)
         if self.moe and tokens is not None and not tokens.share:
             routed = tokens.routing = routing.Routing(self.policy, len(tokens),
@@ -325,10 +318,30 @@ class RLTrainer(Job):
                                       mask * recorded[1][:, None]))
         if kl is not None and train_policy:  # while the critic warms up the policy is the ref
             self.kl_ctl.update(kl, int(valid.sum()))
-        samples = (sample_table(exp, self.tok, adv, mask, cfg.log_samples)
-                   if cfg.log_samples_every and step % cfg.log_samples_every == 0
-                   and dist.is_main() else None)
-        return StepResult(values=record, tokens=exp.sampled_tokens, samples=samples)
+        return StepResult(values=record, tokens=exp.sampled_tokens,
+                          samples=self._sample_table(exp, adv, mask, step))
+
+    def _token_batch(self, exp, share: bool, temperature: float) -> TokenBatch | None:
+        """This rank's samples as a token batch (all of them in a world of one); every other
+        tensor of the step covers the whole step's samples, the same on every rank. Sharded,
+        any rank can compute any sample (nothing is replayed): the rows are dealt out
+        evenly. None for a rank left without rows (it adds nothing to the gradient)."""
+        if self.sharded:
+            exp.local, exp.own = exp.rollout, torch.arange(len(exp.valid))[dist.rank()::
+                                                                           dist.world_size()]
+        if not (len(exp.own) or self.sharded):
+            return None
+        return TokenBatch(exp.local, self.tok.pad_token_id, self.device, share, temperature)
+
+    def _sample_table(self, exp, adv: torch.Tensor, mask: torch.Tensor, step: int
+                      ) -> list[dict] | None:
+        """The step's sample table on a ``log_samples_every`` step (the main rank's), else
+        None."""
+        cfg = self.cfg
+        if not (cfg.log_samples_every and step % cfg.log_samples_every == 0
+                and dist.is_main()):
+            return None
+        return sample_table(exp, self.tok, adv, mask, cfg.log_samples)
 
     def _staleness(self, exp, step: int) -> dict[str, float]:
         """How many versions behind the learner's (``step - 1``) the batch's weights are:
