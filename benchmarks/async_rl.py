@@ -2,21 +2,24 @@
 settings and seeds, alternating runs in one session (each a fresh ``posttrain grpo``
 subprocess).
 
-Throughput (``--part speed``): on the built-in multi-turn task (``--env builtin``, 16 prompts
-× 8 episodes per step, two turns each) with the environment waiting ``L`` seconds per call
-(``LookupEnv(latency_s=L)``, the turn's calls run at once: ``--env_workers 128``), and on
-GRPO at ~25M parameters (the ``medium`` model of the side-by-side benchmarks, random
+Throughput (``--part speed``), each case synchronous, K=1 with ``--async_cores split`` and
+K=1 with ``--async_cores adaptive`` (a producer process): on the built-in multi-turn task
+(``--env builtin``, 16 prompts × 8 episodes per step, two turns each) with the environment
+waiting ``L`` seconds per call (``LookupEnv(latency_s=L)``, the turn's calls run at once:
+``--env_workers 128``); with a slow environment that is the bottleneck (8 × 8 episodes,
+``--ppo_epochs 4``, 50 ms a call with 16 served at once, or 200 ms with all at once); and
+on GRPO at ~25M parameters (the ``medium`` model of the side-by-side benchmarks, random
 init, 8 prompts × 8 completions of up to 32 tokens). Reported: median seconds per step
-(skipping two), episodes/s and sampled tokens/s, and the idle time per phase: the learner
-waiting for a batch (synchronous: the whole generation), the engine waiting for weights
-(synchronous: the whole update).
+(skipping two), episodes/s, and the idle time per phase: the learner waiting for a batch
+(synchronous: the whole generation), the engine waiting for weights (synchronous: the
+whole update).
 
 Accuracy (``--part accuracy``): the default ``posttrain grpo`` (built-in single-turn
 task) and ``posttrain grpo --env builtin`` to the end of their default budget, seeds 0-2,
 synchronous and K=1: held-out accuracy, the completion tokens and seconds spent.
 
 Usage: python benchmarks/async_rl.py [--part speed accuracy] [--repeats 3]
-       [--latencies 0 0.05 0.1] [--steps 12]
+       [--cases episodes slow medium] [--latencies 0 0.05 0.1] [--steps 12]
 Prints one JSON line per run and Markdown tables.
 """
 
@@ -72,6 +75,11 @@ def _speed(rows: list[dict], episodes: int, skip: int = 2) -> dict[str, float]:
     }
 
 
+MODES = {"sync": ["--async_staleness", "0"],
+         "K=1 split": ["--async_staleness", "1", "--async_cores", "split"],
+         "K=1 adaptive": ["--async_staleness", "1", "--async_cores", "adaptive"]}
+
+
 def speed(args, work: Path) -> list[dict]:
     from posttrain.builtin.build import init_model
 
@@ -79,45 +87,56 @@ def speed(args, work: Path) -> list[dict]:
     if "medium" in args.cases:
         init_model(medium, **SIZES["medium"])
     cases = []
-    for lat in args.latencies:
-        cases.append((f"episodes L={lat:g}s", 16 * 8, [
-            "--env", "builtin", "--env_kwargs", json.dumps({"latency_s": lat}),
-            "--env_workers", "128", "--max_steps", str(args.steps), "--eval_every", "0",
-            "--builtin_eval_size", "0", "--log_every", "1"]))
+    quick = ["--max_steps", str(args.steps), "--eval_every", "0", "--builtin_eval_size", "0",
+             "--log_every", "1"]
+    if "episodes" in args.cases:
+        for lat in args.latencies:
+            cases.append((f"episodes 16×8, L={lat * 1000:g} ms, 128 at once", 16 * 8, [
+                "--env", "builtin", "--env_kwargs", json.dumps({"latency_s": lat}),
+                "--env_workers", "128", *quick]))
+    if "slow" in args.cases:
+        # an environment that is the bottleneck: each call waits, and the update (4 epochs
+        # over the batch, as PPO takes) is about as long as the rollout's waits
+        for lat, workers in ((0.05, 16), (0.2, 128)):
+            cases.append((f"slow env 8×8, L={lat * 1000:g} ms, {workers} at once, "
+                           "ppo_epochs 4", 8 * 8, [
+                               "--env", "builtin", "--env_kwargs",
+                               json.dumps({"latency_s": lat}), "--env_workers", str(workers),
+                               "--prompts_per_step", "8", "--ppo_epochs", "4", *quick]))
     if "medium" in args.cases:
-        cases.append(("grpo ~25M", 8 * 8, [
+        cases.append(("grpo ~25M (8 × 8, 32 tokens)", 8 * 8, [
             "--model", str(medium), "--prompts_per_step", "8", "--group_size", "8",
             "--max_new_tokens", "32", "--lr", "1e-5", "--max_steps", str(min(args.steps, 8)),
             "--eval_every", "0", "--builtin_eval_size", "0", "--log_every", "1"]))
     results = []
     for name, episodes, case in cases:
-        if name.startswith("episodes") and "episodes" not in args.cases:
-            continue
         for rep in range(args.repeats):
-            order = (0, 1) if rep % 2 == 0 else (1, 0)  # alternate which runs first
-            for k in order:
+            order = list(MODES) if rep % 2 == 0 else list(reversed(MODES))  # alternate
+            for mode in order:
                 out = work / f"run-{len(results)}"
-                rows, _ = _grpo(out, [*case, "--async_staleness", str(k)])
-                r = {"case": name, "K": k, "repeat": rep, **_speed(rows, episodes)}
+                rows, _ = _grpo(out, [*case, *MODES[mode]])
+                r = {"case": name, "mode": mode, "repeat": rep, **_speed(rows, episodes)}
                 print(json.dumps(r), flush=True)
                 results.append(r)
-    print("\n| case | sync s/step | K=1 s/step | episodes/s sync → K=1 | ratio | tokens/s "
-          "sync → K=1 | learner idle/step sync → K=1 | engine idle/step sync → K=1 |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| case | sync s/step | K=1 split | K=1 adaptive | episodes/s sync → split → "
+          "adaptive | ratio split | ratio adaptive | learner idle/step sync → split → "
+          "adaptive | engine idle/step sync → split → adaptive |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, _, _ in cases:
         part = [r for r in results if r["case"] == name]
-        if not part:
-            continue
 
-        def m(k, key, part=part):
-            return statistics.median(r[key] for r in part if r["K"] == k)
+        def m(mode, key, part=part):
+            return statistics.median(r[key] for r in part if r["mode"] == mode)
 
-        print(f"| {name} | {m(0, 'step_s'):.3f} | {m(1, 'step_s'):.3f} | "
-              f"{m(0, 'episodes_per_s'):.0f} → {m(1, 'episodes_per_s'):.0f} | "
-              f"**{m(1, 'episodes_per_s') / m(0, 'episodes_per_s'):.2f}×** | "
-              f"{m(0, 'tokens_per_s'):.0f} → {m(1, 'tokens_per_s'):.0f} | "
-              f"{m(0, 'learner_idle_s'):.3f} → {m(1, 'learner_idle_s'):.3f} | "
-              f"{m(0, 'engine_idle_s'):.3f} → {m(1, 'engine_idle_s'):.3f} |")
+        def row(key, fmt):
+            return " → ".join(format(m(mode, key), fmt) for mode in MODES)
+
+        eps = {mode: m(mode, "episodes_per_s") for mode in MODES}
+        print(f"| {name} | {m('sync', 'step_s'):.3f} | {m('K=1 split', 'step_s'):.3f} | "
+              f"{m('K=1 adaptive', 'step_s'):.3f} | {row('episodes_per_s', '.0f')} | "
+              f"{eps['K=1 split'] / eps['sync']:.2f}× | "
+              f"**{eps['K=1 adaptive'] / eps['sync']:.2f}×** | "
+              f"{row('learner_idle_s', '.3f')} | {row('engine_idle_s', '.3f')} |")
     return results
 
 
@@ -154,8 +173,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--part", nargs="+", default=["speed", "accuracy"],
                    choices=["speed", "accuracy"])
-    p.add_argument("--cases", nargs="+", default=["episodes", "medium"],
-                   choices=["episodes", "medium"])
+    p.add_argument("--cases", nargs="+", default=["episodes", "slow", "medium"],
+                   choices=["episodes", "slow", "medium"])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--latencies", type=float, nargs="+", default=[0.0, 0.05, 0.1])
     p.add_argument("--steps", type=int, default=12)

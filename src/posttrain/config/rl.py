@@ -203,6 +203,12 @@ class RLConfig(RunConfig):
     own copy of the policy (its own interpreter: small models overlap there); auto =
     process for a single process sampling with hf or lean, thread under torchrun, with
     vllm or a 4-bit base (docs/async.md)."""
+    async_cores: str = "split"
+    """With a producer process: how it and the learner share the CPU cores. split: half
+    each, fixed (reproducible, exact resume); adaptive: the learner takes every core while
+    the producer waits for an environment or for weights (faster where the producer mostly
+    waits; the learner's rounding then depends on timing, so a run is not bit-for-bit
+    reproducible). docs/async.md."""
     partial_rollouts: bool = False
     """With async_staleness and episodes: an episode in flight when a newer policy is
     published continues its next turns under it (each token's behaviour log-prob and
@@ -320,6 +326,11 @@ class RLConfig(RunConfig):
               f"got {self.async_staleness}")
         check(self.async_producer in ("auto", "thread", "process"),
               "async_producer must be auto, thread or process")
+        check(self.async_cores in ("split", "adaptive"),
+              f"async_cores must be split or adaptive, got {self.async_cores!r}")
+        if not self.async_process:
+            self.refuse(("async_cores",), "a run without a producer process (async_cores "
+                        "shares the cores between the learner and async_producer process)")
         if not self.async_staleness:
             self.refuse(("partial_rollouts",), "the synchronous loop (async_staleness 0): a "
                         "rollout there never sees the weights change")

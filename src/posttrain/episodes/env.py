@@ -18,6 +18,7 @@ past the timeout is an :class:`EnvError` naming the class, the row and the turn.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import copy
 import json
 import math
@@ -93,6 +94,11 @@ def _timed(fn, timeout: float, *args):
 
 _WORKERS: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
 
+waiting = contextlib.nullcontext
+"""What :func:`step_all` waits for its workers' replies under: a context-manager factory
+that the process's owner may replace (an asynchronous producer process marks its waits,
+so that the learner can take its cores: ``async_cores adaptive``)."""
+
 
 def step_all(episodes: list[Episode], texts: list[str], workers: int
              ) -> list[tuple[dict | None, float, bool] | EnvError]:
@@ -119,26 +125,31 @@ def step_all(episodes: list[Episode], texts: list[str], workers: int
                                                                    strict=True)]
     timeout = episodes[0].spec.timeout or None
     deadline = None if timeout is None else time.monotonic() + timeout
-    out = []
-    for ep, future in zip(episodes, futures, strict=True):
-        ep.turn += 1
-        try:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            got = future.result(left)
-        except concurrent.futures.TimeoutError:
-            pool.shutdown(wait=False)
-            _WORKERS = None
-            got = TimeoutError(f"did not return within {timeout:g} s")
-        except Exception as e:
-            got = e
-        if isinstance(got, Exception):
-            out.append(ep._error(f"step() raised {type(got).__name__}: {got}"))
-            continue
-        try:
-            out.append(ep._checked(got))
-        except EnvError as e:
-            out.append(e)
-    return out
+    with waiting():
+        return [_result(ep, future, pool, timeout, deadline)
+                for ep, future in zip(episodes, futures, strict=True)]
+
+
+def _result(ep: Episode, future, pool, timeout: float | None, deadline: float | None):
+    """One episode's step from its worker (:func:`step_all`): the checked result, or an
+    :class:`EnvError`. Past the deadline the pool is abandoned."""
+    global _WORKERS
+    ep.turn += 1
+    try:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        got = future.result(left)
+    except concurrent.futures.TimeoutError:
+        pool.shutdown(wait=False)
+        _WORKERS = None
+        got = TimeoutError(f"did not return within {timeout:g} s")
+    except Exception as e:
+        got = e
+    if isinstance(got, Exception):
+        return ep._error(f"step() raised {type(got).__name__}: {got}")
+    try:
+        return ep._checked(got)
+    except EnvError as e:
+        return e
 
 
 class Episode:

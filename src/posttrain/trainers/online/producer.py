@@ -38,6 +38,7 @@ interrupted.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass, fields
@@ -88,6 +89,8 @@ class Producer:
         self.error: BaseException | None = None
         self.idle_s = 0.0
         """Seconds the producer waited for weights since the learner last took a batch."""
+        self.waiting = contextlib.nullcontext
+        """What the producer waits for work under (a process's mark: :mod:`.cores`)."""
         self.guard_metrics: dict[str, float] = {}
         self.cond = threading.Condition()
         self.thread: threading.Thread | None = None
@@ -151,7 +154,8 @@ class Producer:
                     task = self._pick()
                     while task is None:
                         t0 = time.perf_counter()
-                        self.cond.wait()
+                        with self.waiting():
+                            self.cond.wait()
                         self.idle_s += time.perf_counter() - t0
                         task = self._pick()
                     if task[0] == "close":

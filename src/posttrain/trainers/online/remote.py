@@ -24,10 +24,13 @@ import os
 import torch
 import torch.multiprocessing as mp
 
+from posttrain.trainers.online.cores import Adaptive, shares
 
-def _serve(conn, cfg, extras, version: int, threads: int) -> None:
+
+def _serve(conn, cfg, extras, version: int, threads: int, flag) -> None:
     """The producer process: build the engine and the batch maker, then answer the
-    learner's messages until ``close``."""
+    learner's messages until ``close``. ``flag``: the shared flag it raises while it waits
+    (``async_cores adaptive``), or None."""
     try:
         torch.set_num_threads(threads)
         from posttrain import fast
@@ -52,6 +55,11 @@ def _serve(conn, cfg, extras, version: int, threads: int) -> None:
         x.extras = extras
         producer = Producer(x, engine, cfg.async_staleness, cfg.max_steps, version,
                             partial=cfg.partial_rollouts)
+        if flag is not None:
+            from posttrain.episodes import env
+            from posttrain.trainers.online.cores import Waiting
+
+            producer.waiting = env.waiting = Waiting(flag)
     except BaseException as e:
         conn.send(("error", e))
         return
@@ -98,10 +106,15 @@ class RemoteProducer:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         cores = int(os.environ.get("OMP_NUM_THREADS", 0)) or torch.get_num_threads()
-        # half the cores each (two teams of threads on the same cores slow each other far
-        # more than their sum: docs/async.md)
+        # half the cores each: two teams of threads on the same cores slow each other far
+        # more than their sum (cores.py, docs/async.md)
+        producer, self.threads = shares(cores)
+        self.before = torch.get_num_threads()  # (put back at close)
+        torch.set_num_threads(self.threads)
+        flag = ctx.RawValue("b", 0) if cfg.async_cores == "adaptive" else None
         self.process = ctx.Process(target=_serve, name="posttrain-producer", daemon=True,
-                                   args=(child, cfg, extras, version, max(1, cores // 2)))
+                                   args=(child, cfg, extras, version, producer, flag))
+        self.adaptive = None if flag is None else Adaptive(flag, self.threads, cores)
         self.process.start()
         child.close()
         self._reply()
@@ -120,7 +133,10 @@ class RemoteProducer:
 
     def take(self, step: int):
         self.conn.send(("take", step))
-        return self._reply()
+        exp, metrics = self._reply()
+        if self.adaptive is not None:
+            metrics["time/learner_all_cores_s"] = self.adaptive.take_time()
+        return exp, metrics
 
     def publish(self, version: int, weights, expected=None) -> None:
         self.conn.send(("weights", version, weights))
@@ -140,6 +156,10 @@ class RemoteProducer:
         self._reply()
 
     def close(self) -> None:
+        if self.adaptive is not None:
+            self.adaptive.close()
+            self.adaptive = None
+        torch.set_num_threads(self.before)
         if self.process.is_alive():
             try:
                 self.conn.send(("close",))
