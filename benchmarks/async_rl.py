@@ -16,7 +16,8 @@ whole update).
 
 Accuracy (``--part accuracy``): the default ``posttrain grpo`` (built-in single-turn
 task) and ``posttrain grpo --env builtin`` to the end of their default budget, seeds 0-2,
-synchronous and K=1: held-out accuracy, the completion tokens and seconds spent.
+synchronous and K=1 with either core mode: held-out accuracy, the completion tokens and
+seconds spent.
 
 Usage: python benchmarks/async_rl.py [--part speed accuracy] [--repeats 3]
        [--cases episodes slow medium] [--latencies 0 0.05 0.1] [--steps 12]
@@ -145,24 +146,23 @@ def accuracy(args, work: Path) -> list[dict]:
     results = []
     for task, extra in tasks.items():
         for seed in (0, 1, 2):
-            for k in (0, 1):
-                out = work / f"acc-{task}-{seed}-{k}"
-                rows, wall = _grpo(out, [*extra, "--seed", str(seed), "--async_staleness",
-                                         str(k)])
+            for mode, flags in MODES.items():
+                out = work / f"acc-{task}-{seed}-{len(results)}"
+                rows, wall = _grpo(out, [*extra, "--seed", str(seed), *flags])
                 last = [r for r in rows if "eval/accuracy" in r][-1]
                 spent = [r for r in rows if "samples/tokens_total" in r][-1]
-                r = {"task": task, "seed": seed, "K": k, "accuracy": last["eval/accuracy"],
-                     "tokens": spent["samples/tokens_total"], "train_s": spent["time/train_s"],
-                     "wall_s": wall}
+                r = {"task": task, "seed": seed, "mode": mode,
+                     "accuracy": last["eval/accuracy"], "tokens": spent["samples/tokens_total"],
+                     "train_s": spent["time/train_s"], "wall_s": wall}
                 print(json.dumps(r), flush=True)
                 results.append(r)
-    print("\n| task | K | held-out accuracy (seeds 0-2) | mean ± sd | tokens | train s |")
+    print("\n| task | mode | held-out accuracy (seeds 0-2) | mean ± sd | tokens | train s |")
     print("|---|---|---|---|---|---|")
     for task in tasks:
-        for k in (0, 1):
-            part = [r for r in results if r["task"] == task and r["K"] == k]
+        for mode in MODES:
+            part = [r for r in results if r["task"] == task and r["mode"] == mode]
             accs = [r["accuracy"] for r in part]
-            print(f"| {task} | {k} | {', '.join(f'{a:.3f}' for a in accs)} | "
+            print(f"| {task} | {mode} | {', '.join(f'{a:.3f}' for a in accs)} | "
                   f"{statistics.mean(accs):.3f} ± {statistics.stdev(accs):.3f} | "
                   f"{statistics.mean(r['tokens'] for r in part):.0f} | "
                   f"{statistics.median(r['train_s'] for r in part):.1f} |")
