@@ -158,7 +158,9 @@ def test_an_adaptive_run_takes_every_core_while_the_environment_waits(tmp_path, 
     part of its steps at every core; the run learns as a split one does (its metrics are
     the same keys), and the test process's thread count is put back."""
     torch.set_num_threads(1)
-    out = _run(tmp_path, "adaptive", "--env_kwargs", json.dumps({"latency_s": 0.05}),
+    # (waits of 0.2 s a turn: most of the producer's time, so the learner's update, which
+    # runs beside the making of the next batch, meets one on any machine)
+    out = _run(tmp_path, "adaptive", "--env_kwargs", json.dumps({"latency_s": 0.2}),
                "--async_cores", "adaptive")
     assert torch.get_num_threads() == 1
     steps = [r for r in _rows(out) if "async/staleness" in r]
