@@ -10,9 +10,9 @@ waiting ``L`` seconds per call (``LookupEnv(latency_s=L)``, the turn's calls run
 ``--ppo_epochs 4``, 50 ms a call with 16 served at once, or 200 ms with all at once); and
 on GRPO at ~25M parameters (the ``medium`` model of the side-by-side benchmarks, random
 init, 8 prompts × 8 completions of up to 32 tokens). Reported: median seconds per step
-(skipping two), episodes/s, and the idle time per phase: the learner waiting for a batch
-(synchronous: the whole generation), the engine waiting for weights (synchronous: the
-whole update).
+(skipping two), episodes/s and sampled tokens/s, and the idle time per phase: the learner
+waiting for a batch (synchronous: the whole generation), the engine waiting for weights
+(synchronous: the whole update).
 
 Accuracy (``--part accuracy``): the default ``posttrain grpo`` (built-in single-turn
 task) and ``posttrain grpo --env builtin`` to the end of their default budget, seeds 0-2,
@@ -120,9 +120,10 @@ def speed(args, work: Path) -> list[dict]:
                 print(json.dumps(r), flush=True)
                 results.append(r)
     print("\n| case | sync s/step | K=1 split | K=1 adaptive | episodes/s sync → split → "
-          "adaptive | ratio split | ratio adaptive | learner idle/step sync → split → "
-          "adaptive | engine idle/step sync → split → adaptive |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "adaptive | ratio split | ratio adaptive | tokens/s sync → split → adaptive | "
+          "learner idle/step sync → split → adaptive | engine idle/step sync → split → "
+          "adaptive |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, _, _ in cases:
         part = [r for r in results if r["case"] == name]
 
@@ -136,7 +137,7 @@ def speed(args, work: Path) -> list[dict]:
         print(f"| {name} | {m('sync', 'step_s'):.3f} | {m('K=1 split', 'step_s'):.3f} | "
               f"{m('K=1 adaptive', 'step_s'):.3f} | {row('episodes_per_s', '.0f')} | "
               f"{eps['K=1 split'] / eps['sync']:.2f}× | "
-              f"**{eps['K=1 adaptive'] / eps['sync']:.2f}×** | "
+              f"**{eps['K=1 adaptive'] / eps['sync']:.2f}×** | {row('tokens_per_s', '.0f')} | "
               f"{row('learner_idle_s', '.3f')} | {row('engine_idle_s', '.3f')} |")
     return results
 

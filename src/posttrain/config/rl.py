@@ -326,8 +326,10 @@ class RLConfig(RunConfig):
               f"got {self.async_staleness}")
         check(self.async_producer in ("auto", "thread", "process"),
               "async_producer must be auto, thread or process")
-        check(self.async_cores in ("split", "adaptive"),
-              f"async_cores must be split or adaptive, got {self.async_cores!r}")
+        from posttrain.trainers.online.cores import MODES
+
+        check(self.async_cores in MODES,
+              f"async_cores must be {' or '.join(MODES)}, got {self.async_cores!r}")
         if not self.async_process:
             self.refuse(("async_cores",), "a run without a producer process (async_cores "
                         "shares the cores between the learner and async_producer process)")

@@ -24,7 +24,7 @@ import os
 import torch
 import torch.multiprocessing as mp
 
-from posttrain.trainers.online.cores import Adaptive, shares
+from posttrain.trainers.online.cores import Adaptive, Waiting, shares
 
 
 def _serve(conn, cfg, extras, version: int, threads: int, flag) -> None:
@@ -57,7 +57,6 @@ def _serve(conn, cfg, extras, version: int, threads: int, flag) -> None:
                             partial=cfg.partial_rollouts)
         if flag is not None:
             from posttrain.episodes import env
-            from posttrain.trainers.online.cores import Waiting
 
             producer.waiting = env.waiting = Waiting(flag)
     except BaseException as e:
