@@ -38,3 +38,62 @@ def model_stages(config, backward: bool = True) -> int:
 def model_inner(config, length: int) -> int:
     """The longest reduction in a decoder pass over ``length`` positions."""
     return max(config.hidden_size, config.intermediate_size, config.vocab_size, length)
+
+
+# Two float32 paths compared element by element.
+#
+# ``rel_bound`` bounds an error *norm* relative to the result's norm; it does not bound an
+# element relative to itself. A dot product's error is relative to the sum of the absolute
+# values of its terms (Higham §3.1: |fl(xᵀy) − xᵀy| ≤ γ_n·|x|ᵀ|y|), which can be far larger
+# than the result when the terms cancel, and the error a stage passes on (a rounded
+# activation, a rounded back-propagated vector) is relative to that vector's size, not to
+# each of its elements. So an element near zero still carries an absolute error of the size
+# of the terms of its tensor: the elementwise bound is ``pair_bound · scale`` with ``scale``
+# the magnitude of the terms summed into the tensor (``logprob_scale``, ``grad_term_scales``),
+# never the element's own value.
+
+
+def pair_bound(stages: int, inner: int, dtype: torch.dtype = torch.float32) -> float:
+    """Two computations of the same quantity, each within ``rel_bound`` of exact arithmetic,
+    differ by at most twice it."""
+    return 2 * rel_bound(stages, inner, dtype)
+
+
+def assert_within(got: torch.Tensor, want: torch.Tensor, bound: float, scale, what: str = ""):
+    """``|got − want| ≤ bound · scale`` element by element; ``scale`` (a float, or a tensor
+    that broadcasts to ``got``) is the magnitude of the terms summed into each element."""
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    limit = bound * torch.as_tensor(scale, dtype=torch.float64)
+    diff = (got.double() - want.double()).abs()
+    over = diff > limit
+    if over.any():
+        i = int((diff - limit).flatten().argmax())
+        raise AssertionError(
+            f"{what}: {int(over.sum())} / {diff.numel()} elements beyond the derived bound; "
+            f"worst |diff| {float(diff.flatten()[i]):.3g} > "
+            f"{float(limit.broadcast_to(diff.shape).flatten()[i]):.3g} "
+            f"(bound {bound:.3g} × scale)")
+
+
+def logprob_scale(logits: torch.Tensor) -> float:
+    """The terms of a log-softmax entry ``z_y − logsumexp(z)`` over the given logits: each is
+    at most ``max|z| + log V`` (the log-sum-exp lies in ``[max z, max z + log V]``)."""
+    return 2 * float(logits.detach().abs().amax()) + math.log(logits.shape[-1])
+
+
+def grad_term_scales(terms: torch.Tensor, params) -> list[float]:
+    """Per parameter, the magnitude of the terms its gradient of ``terms.sum()`` adds up:
+    the largest element of ``Σ_k |∂ terms_k / ∂p|`` (one backward per term; the graph is
+    kept). Its maximum over the tensor, because an upstream error reaches every element of a
+    weight's gradient (see above). A gradient with a bug of one term's size differs from the
+    right one by ``max|∂ terms_k/∂p|``, which is far above ``pair_bound`` times this for any
+    batch of fewer than ``1 / pair_bound`` terms."""
+    params = list(params)
+    total = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+    flat = terms.flatten()
+    for k in range(flat.numel()):
+        grads = torch.autograd.grad(flat[k], params, retain_graph=True, allow_unused=True)
+        for t, g in zip(total, grads, strict=True):
+            if g is not None:
+                t += g.double().abs()
+    return [float(t.amax()) if t.numel() else 0.0 for t in total]
