@@ -153,6 +153,7 @@ def _rows(out: Path) -> list[dict]:
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_an_adaptive_run_takes_every_core_while_the_environment_waits(tmp_path, threads):
     """With a slow environment the producer process raises its flag and the learner runs
     part of its steps at every core; the run learns as a split one does (its metrics are

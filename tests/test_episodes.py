@@ -456,6 +456,7 @@ def test_episode_config_errors(tmp_path):
     assert cfg.model == "builtin-episodes"
 
 
+@pytest.mark.slow
 def test_grpo_learns_the_builtin_multi_turn_task(tmp_path):
     """``posttrain grpo --env builtin`` (40 steps): held-out accuracy from the SFT'd start's
     22% to at least 50% (measured 71%). Without the environment's answer the start reaches

@@ -232,6 +232,7 @@ def test_lora_grpo_learns_the_builtin_task(tmp_path):
     assert all(r.get("sampling/logprob_gap_max", 0) < 1e-3 for r in rows)  # merged sampler
 
 
+@pytest.mark.slow
 def test_lora_dpo_lifts_greedy_accuracy(tmp_path, capsys):
     """DPO with rank-16 adapters, one epoch of the built-in pairs at lr 5e-4 (adapters want
     a larger rate than full fine-tuning's 2e-5; ~8 s on 2 cores), merged, then evaluated:

@@ -317,6 +317,7 @@ def test_pad_shared_prompts_layout():
     assert torch.equal(out["completion_mask"], torch.tensor([[1, 0], [1, 1], [1, 1], [1, 0]]))
 
 
+@pytest.mark.slow
 def test_compiled_pointwise_blocks_match_eager(tiny_model_dir, tmp_path):
     """compile_pointwise_blocks compiles every RMSNorm and MLP block in place: log-probs and
     parameter gradients equal the eager model's (full sequences and the shared-prompt
@@ -386,6 +387,7 @@ def test_compiled_pointwise_blocks_match_eager(tiny_model_dir, tmp_path):
         assert k == k2 and torch.equal(v, v2)
 
 
+@pytest.mark.slow
 def test_compiled_pointwise_blocks_bfloat16_as_close_to_float32_as_eager():
     """In bfloat16 the compiled blocks round differently from eager; measured against the
     float32 model they stay about as close as eager bfloat16 does (log-probs and the whole

@@ -5,6 +5,8 @@ strings."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -404,23 +406,29 @@ def test_the_blocked_sampler_is_the_inverse_cdf_over_a_large_vocabulary(temperat
 
 def test_the_blocked_sampler_never_picks_a_token_of_probability_zero():
     """Where the block sums and the chosen block's running sum round apart, a target in the
-    gap takes the block's last token with mass, not a cut one (-inf logit)."""
+    gap takes the block's last token with mass, not a cut one (-inf logit).
+
+    The gap is built, not searched for: a block of one 1.0 and then values just above half
+    an ulp of 1.0 (2⁻²⁴·(1 + 2⁻⁸)). A float32 sum that adds any of them to the accumulator
+    holding the 1.0 rounds each such addition up to a whole ulp, so the block's sum exceeds
+    the correctly rounded total; the running sum (accumulated in double on the CPU, rounded
+    per element) is that correctly rounded total. Any kernel's vector width or order keeps
+    the 1.0 in one accumulator lane that later values join, so the gap is there on all."""
     from posttrain.rollout.sampling import CDF_BLOCK, _inverse_cdf
 
     B = CDF_BLOCK
-    for seed in range(200):
-        z = torch.randn(1, 2 * B, generator=torch.Generator().manual_seed(seed)) * 3
-        z[0, B - 1] = float("-inf")  # the block's last column is cut
-        e = (z - z.max()).exp()
-        block_sum = e[:, :B].view(1, 1, B).sum(-1)[0, 0]
-        running = e[:, :B].cumsum(-1)[0, -1]
-        if running < block_sum:  # a gap this kernel's rounding leaves
-            total = e.view(1, 2, B).sum(-1).cumsum(-1)[0, -1]
-            u = ((running + block_sum) / 2 / total).view(1)
-            tokens, logp = _inverse_cdf(z, 1.0, u)
-            assert torch.isfinite(z[0, tokens]).all() and torch.isfinite(logp).all()
-            return
-    pytest.skip("no seed left a rounding gap between the two sums on this CPU")
+    z = torch.full((1, 2 * B), math.log(2.0 ** -24 * (1 + 2.0 ** -8)))
+    z[0, 0] = 0.0
+    z[0, B - 1] = float("-inf")  # the block's last column is cut
+    e = (z - z.max()).exp()
+    block_sum = e[:, :B].view(1, 1, B).sum(-1)[0, 0]
+    running = e[:, :B].cumsum(-1)[0, -1]
+    assert running < block_sum  # the construction's premise (see the docstring)
+    total = e.view(1, 2, B).sum(-1).cumsum(-1)[0, -1]
+    u = ((running + block_sum) / 2 / total).view(1)
+    tokens, logp = _inverse_cdf(z, 1.0, u)
+    assert int(tokens) == B - 2  # the block's last token with mass
+    assert torch.isfinite(z[0, tokens]).all() and torch.isfinite(logp).all()
 
 
 def _assert_lean_equals_hf(model, tok):

@@ -90,8 +90,7 @@ def test_a_seed_draws_the_same_samples_whatever_the_batch(model_and_engine):
     assert torch.equal(alone.completion_ids, again.completion_ids)
     width = alone.completion_ids.shape[1]
     assert torch.equal(alone.completion_ids, batch.completion_ids[16:, :width])
-    assert not torch.equal(alone.completion_ids, other.completion_ids[:, :width]) or (
-        alone.texts != other.texts)
+    assert alone.texts != other.texts  # (8 samples of 6 tokens: equal by chance never)
 
 
 def test_a_sync_changes_the_samples_and_restores_agreement(model_and_engine):
@@ -425,3 +424,33 @@ def test_episodes_through_vllm_are_token_exact_and_learn(tmp_path):
     cfg.validate()
     out = run_rl(cfg)
     assert out["eval/accuracy"] >= 0.5
+
+
+def test_async_episodes_through_vllm_keep_the_schedule_the_guard_and_learn(tmp_path):
+    """Asynchronous rollouts, multi-turn episodes and vLLM together: K=1 with the producer
+    thread owning the engine, the built-in multi-turn task's environment on 4 workers.
+    Batch s is sampled by version max(0, s-2); episodes take both turns; every version the
+    engine loads passes the guard; GRPO lifts held-out accuracy from the start's 22% to at
+    least 50% in 40 steps, as the synchronous run of the test above does."""
+    from posttrain.trainers.online.trainer import run_rl
+
+    threads = torch.get_num_threads()  # (see the async test above)
+    torch._C.set_num_threads(1)
+    try:
+        cfg = RLConfig(output_dir=str(tmp_path / "run"), env="builtin",
+                       rollout_backend="vllm", max_steps=40, eval_every=0, max_new_tokens=6,
+                       device="cpu", tensorboard=False, async_staleness=1, env_workers=4,
+                       log_every=1)
+        cfg.validate()
+        out = run_rl(cfg)
+    finally:
+        torch._C.set_num_threads(threads)
+    assert out["eval/accuracy"] >= 0.5
+    rows = [json.loads(x) for x in
+            (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "async/staleness" in r]
+    assert [r["async/staleness"] for r in steps] == [0] + [1] * 39
+    assert all(r["episodes/turns_mean"] > 1 for r in steps[-10:])
+    checked = [r for r in steps if "sync/gap_mean" in r]
+    assert len(checked) >= 30
+    assert all(r["sync/gap_mean"] <= r["sync/tolerance"] for r in checked)
