@@ -12,7 +12,9 @@ row). It has two methods:
   turn's reward (a finite number) and whether the episode is over.
 
 A ``reset`` or ``step`` that raises, returns the wrong types or a non-finite reward, or runs
-past the timeout is an :class:`EnvError` naming the class, the row and the turn.
+past the timeout is an :class:`EnvError` naming the class, the row and the turn. A call
+past the timeout is left running on a daemon thread (:mod:`.calls`): it cannot keep the
+process alive.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import numbers
 import time
 from dataclasses import dataclass, field
 
+from posttrain.episodes.calls import Workers, timed
 from posttrain.userfiles import load_object
 
 
@@ -71,28 +74,7 @@ class EnvSpec:
         return cls(env, parse_kwargs(kwargs), timeout, env.__name__)
 
 
-_POOL: concurrent.futures.ThreadPoolExecutor | None = None
-
-
-def _timed(fn, timeout: float, *args):
-    """``fn(*args)``, or TimeoutError past ``timeout`` seconds (0: no limit). The call runs
-    on a worker thread that cannot be stopped: past the timeout it is abandoned (it
-    finishes, or not, in the background) and a fresh worker serves the next call."""
-    global _POOL
-    if not timeout:
-        return fn(*args)
-    if _POOL is None:
-        _POOL = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="posttrain-env")
-    future = _POOL.submit(fn, *args)
-    try:
-        return future.result(timeout)
-    except concurrent.futures.TimeoutError:
-        _POOL.shutdown(wait=False)
-        _POOL = None
-        raise TimeoutError(f"did not return within {timeout:g} s") from None
-
-
-_WORKERS: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
+_WORKERS: tuple[int, Workers] | None = None
 
 waiting = contextlib.nullcontext
 """What :func:`step_all` waits for its workers' replies under: a context-manager factory
@@ -102,10 +84,10 @@ so that the learner can take its cores: ``async_cores adaptive``)."""
 
 def step_all(episodes: list[Episode], texts: list[str], workers: int
              ) -> list[tuple[dict | None, float, bool] | EnvError]:
-    """Each episode's :meth:`Episode.step` on its text, on a pool of ``workers`` threads at
-    once (kept for the next turn); the results in order, an :class:`EnvError` in place of a
-    step that failed. The timeout counts from the submission of the turn's calls; a call
-    still running past it is abandoned with its pool."""
+    """Each episode's :meth:`Episode.step` on its text, on a pool of ``workers`` daemon
+    threads at once (kept for the next turn); the results in order, an :class:`EnvError` in
+    place of a step that failed. The timeout counts from the submission of the turn's calls;
+    a call still running past it is abandoned with its pool (:mod:`.calls`)."""
     global _WORKERS
     if workers <= 1 or len(episodes) <= 1:
         out: list = []
@@ -117,9 +99,8 @@ def step_all(episodes: list[Episode], texts: list[str], workers: int
         return out
     if _WORKERS is None or _WORKERS[0] != workers:
         if _WORKERS is not None:
-            _WORKERS[1].shutdown(wait=False)
-        _WORKERS = (workers, concurrent.futures.ThreadPoolExecutor(
-            workers, thread_name_prefix="posttrain-env"))
+            _WORKERS[1].abandon()
+        _WORKERS = (workers, Workers(workers))
     pool = _WORKERS[1]
     futures = [pool.submit(ep.env.step, text) for ep, text in zip(episodes, texts,
                                                                    strict=True)]
@@ -135,15 +116,17 @@ def _result(ep: Episode, future, pool, timeout: float | None, deadline: float | 
     :class:`EnvError`. Past the deadline the pool is abandoned."""
     global _WORKERS
     ep.turn += 1
-    try:
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        got = future.result(left)
-    except concurrent.futures.TimeoutError:
-        pool.shutdown(wait=False)
-        _WORKERS = None
+    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+    if not concurrent.futures.wait([future], left).done:
+        pool.abandon()
+        if _WORKERS is not None and _WORKERS[1] is pool:
+            _WORKERS = None
         got = TimeoutError(f"did not return within {timeout:g} s")
-    except Exception as e:
-        got = e
+    else:
+        try:
+            got = future.result()
+        except Exception as e:
+            got = e
     if isinstance(got, Exception):
         return ep._error(f"step() raised {type(got).__name__}: {got}")
     try:
@@ -159,7 +142,7 @@ class Episode:
         self.spec, self.row = spec, row_number
         self.turn = 0
         try:
-            self.env = _timed(lambda: spec.cls(row, **spec.kwargs), spec.timeout)
+            self.env = timed(lambda: spec.cls(row, **spec.kwargs), spec.timeout)
         except Exception as e:
             raise self._error(f"could not be made: {type(e).__name__}: {e}") from e
 
@@ -175,7 +158,7 @@ class Episode:
 
     def reset(self) -> str:
         try:
-            first = _timed(self.env.reset, self.spec.timeout)
+            first = timed(self.env.reset, self.spec.timeout)
         except Exception as e:
             raise self._error(f"reset() raised {type(e).__name__}: {e}") from e
         if not isinstance(first, str):
@@ -185,7 +168,7 @@ class Episode:
     def step(self, text: str) -> tuple[dict | None, float, bool]:
         self.turn += 1
         try:
-            out = _timed(self.env.step, self.spec.timeout, text)
+            out = timed(self.env.step, self.spec.timeout, text)
         except Exception as e:
             raise self._error(f"step() raised {type(e).__name__}: {e}") from e
         return self._checked(out)

@@ -14,13 +14,14 @@ The first message is the row's ``prompt``. Each assistant turn is read for tool 
 
       call: add(2, 3)
 
-Every call runs the Python function (with the environment's timeout, ``env_timeout``) and
-its results return together as one ``tool`` message, a line per call; a turn without a call
-is the final answer and ends the episode (the reward terms then score it). A malformed call —
-unparsable, an unknown tool, arguments the function refuses, a function that raises or
-times out — is the model's mistake, never a crash: its line of the ``tool`` message says
-what went wrong, the turn's reward is ``tool_error_reward`` (the user's choice, 0 by
-default) and it is counted (``episodes/tool_failures_mean``).
+Every call runs the Python function with the environment's timeout (``env_timeout``; a
+call past it is left on a daemon thread, :mod:`.calls`) and its results return together as
+one ``tool`` message, a line per call; a turn without a call is the final answer and ends
+the episode (the reward terms then score it). A malformed call — unparsable, an unknown
+tool, arguments the function refuses, a function that raises or times out — is the model's
+mistake, never a crash: its line of the ``tool`` message says what went wrong, the turn's
+reward is ``tool_error_reward`` (the user's choice, 0 by default) and it is counted
+(``episodes/tool_failures_mean``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ import contextlib
 import json
 import re
 
-from posttrain.episodes.env import _timed, load_object
+from posttrain.episodes.calls import timed
+from posttrain.episodes.env import load_object
 
 _JSON_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 _PLAIN_CALL = re.compile(r"^\s*call:\s*(.*)$", re.M)
@@ -136,7 +138,7 @@ class ToolEnv:
         if fn is None:
             return f"\0error: no tool {name!r} (tools: {', '.join(self.tools)})"
         try:
-            return str(_timed(lambda: fn(*args, **kwargs), self.timeout))
+            return str(timed(lambda: fn(*args, **kwargs), self.timeout))
         except Exception as e:
             return f"\0error: {name}: {type(e).__name__}: {e}"
 

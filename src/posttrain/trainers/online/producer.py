@@ -48,6 +48,11 @@ import torch
 from posttrain.rollout import Rollout, select
 from posttrain.trainers.online.experience import Experience
 
+CLOSE_WAIT_S = 30.0
+"""How long :meth:`Producer.close` waits for the task in progress: a producer stuck past it
+(an environment without a timeout, say) is left behind, a daemon thread that cannot keep
+the process alive."""
+
 
 def need(step: int, staleness: int) -> int:
     """The policy version that samples batch ``step`` (see the module docstring)."""
@@ -242,12 +247,12 @@ class Producer:
             self.cond.notify_all()
 
     def close(self) -> None:
-        """Stop the thread (after the task it is on)."""
+        """Stop the thread (after the task it is on, waiting at most :data:`CLOSE_WAIT_S`)."""
         with self.cond:
             self.closing = True
             self.cond.notify_all()
         if self.thread is not None:
-            self.thread.join()
+            self.thread.join(CLOSE_WAIT_S)
 
     # --- checkpoints ----------------------------------------------------------------------
     def state(self) -> tuple[dict, dict[str, torch.Tensor]]:

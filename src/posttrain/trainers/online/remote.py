@@ -25,6 +25,7 @@ import torch
 import torch.multiprocessing as mp
 
 from posttrain.trainers.online.cores import Adaptive, Waiting, shares
+from posttrain.trainers.online.producer import CLOSE_WAIT_S
 
 
 def _serve(conn, cfg, extras, version: int, threads: int, flag) -> None:
@@ -155,6 +156,9 @@ class RemoteProducer:
         self._reply()
 
     def close(self) -> None:
+        """Stop the process: it closes its producer (waiting up to ``CLOSE_WAIT_S`` for the
+        task in progress) and exits; one that has not answered and exited by then (stuck in
+        a call, say) is killed."""
         if self.adaptive is not None:
             self.adaptive.close()
             self.adaptive = None
@@ -162,10 +166,11 @@ class RemoteProducer:
         if self.process.is_alive():
             try:
                 self.conn.send(("close",))
-                self._reply()
+                if self.conn.poll(CLOSE_WAIT_S + 10):
+                    self._reply()
             except (BrokenPipeError, EOFError, RuntimeError):
                 pass
-            self.process.join(30)
+            self.process.join(10)
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
