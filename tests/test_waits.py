@@ -3,6 +3,7 @@ error (the run's one line, or the tool message's error line) and leaves nothing 
 the process alive; in process (no thread the interpreter would join at exit is left), in a
 plain subprocess, and through the command line with every way a run calls environments
 (one after another, ``--env_workers``, the asynchronous producer thread and process, tools).
+Also a small defect of the same issue: ``--env_kwargs`` with ``--tools``.
 
 A call that never returns makes any finite wait decisive: the subprocesses get a generous
 timeout and no duration is compared with a threshold."""
@@ -235,4 +236,20 @@ def test_a_run_whose_tool_never_returns_finishes_and_exits(tmp_path):
     assert (tmp_path / "run" / "final").is_dir()
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert next(r for r in rows if r.get("step") == 1)["episodes/tool_failures_mean"] == 2
+
+
+# --- small defects of the same issue ------------------------------------------------------
+def test_env_kwargs_with_tools_is_refused(tmp_path, capsys):
+    """``--env_kwargs`` sets ``--env``'s class: with ``--tools`` it would be ignored."""
+    from posttrain.cli import main
+    from posttrain.config import ConfigError, RLConfig
+
+    kw = {"tools": "t.py:f", "data": "d.jsonl", "reward": "r.py:g", "env_kwargs": '{"a": 1}'}
+    cfg = RLConfig(output_dir=str(tmp_path), **kw)
+    cfg.given = set(kw)
+    with pytest.raises(ConfigError, match="unknown key 'env_kwargs' for --tools"):
+        cfg.validate()
+    assert main(["eval", "--tools", "t.py:f", "--env_kwargs", '{"a": 1}', "--data",
+                 "d.jsonl", "--reward", "r.py:g"]) == 2
+    assert "eval: --env_kwargs are --env's class's" in capsys.readouterr().err
 

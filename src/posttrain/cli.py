@@ -210,6 +210,9 @@ def _run_eval_episodes(args) -> int:
 
     if args.env and args.tools:
         raise ConfigError("eval: --env and --tools are two environments; choose one")
+    if args.tools and args.env_kwargs:
+        raise ConfigError("eval: --env_kwargs are --env's class's; --tools' environment "
+                          "takes the functions alone")
     model_name = args.model
     if args.env == "builtin" and model_name == "builtin":
         model_name = "builtin-episodes"

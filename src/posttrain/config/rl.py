@@ -306,6 +306,9 @@ class RLConfig(RunConfig):
               "choose one (a tool-calling environment of your own can call the functions)")
         if self.env:
             self.refuse(("tool_error_reward",), "--env (it sets --tools' environment)")
+        else:
+            self.refuse(("env_kwargs",), "--tools (its environment takes the functions "
+                        "alone; env_kwargs are --env's class's)")
         check(self.env == "builtin" or self.data is not None,
               f"--{'env' if self.env else 'tools'} {self.env or self.tools} needs --data: "
               "the rows its episodes are made from")
