@@ -252,4 +252,3 @@ def test_env_kwargs_with_tools_is_refused(tmp_path, capsys):
     assert main(["eval", "--tools", "t.py:f", "--env_kwargs", '{"a": 1}', "--data",
                  "d.jsonl", "--reward", "r.py:g"]) == 2
     assert "eval: --env_kwargs are --env's class's" in capsys.readouterr().err
-
