@@ -3,7 +3,8 @@ error (the run's one line, or the tool message's error line) and leaves nothing 
 the process alive; in process (no thread the interpreter would join at exit is left), in a
 plain subprocess, and through the command line with every way a run calls environments
 (one after another, ``--env_workers``, the asynchronous producer thread and process, tools).
-Also a small defect of the same issue: ``--env_kwargs`` with ``--tools``.
+Also small defects of the same issue: ``--env_kwargs`` with ``--tools``, and why ``eval
+--env`` skipped rows.
 
 A call that never returns makes any finite wait decisive: the subprocesses get a generous
 timeout and no duration is compared with a threshold."""
@@ -252,3 +253,55 @@ def test_env_kwargs_with_tools_is_refused(tmp_path, capsys):
     assert main(["eval", "--tools", "t.py:f", "--env_kwargs", '{"a": 1}', "--data",
                  "d.jsonl", "--reward", "r.py:g"]) == 2
     assert "eval: --env_kwargs are --env's class's" in capsys.readouterr().err
+
+
+ANSWERS = '''
+class Answers:
+    """One turn; a row with "broken" raises, any other ends with reward 0."""
+    def __init__(self, row):
+        self.broken = row.get("broken", False)
+    def reset(self):
+        return "1+1?"
+    def step(self, text):
+        if self.broken:
+            raise KeyError("boom")
+        return None, 0.0, True
+
+def needs_answer(prompts, completions, answer, **_):
+    return [float(a) for a in answer]
+'''
+
+
+def test_eval_says_why_it_skipped_rows(tmp_path, capsys):
+    """``posttrain eval --env``: the first skipped row's error on stderr, one line naming
+    the row (an environment's error, or a reward's)."""
+    from posttrain.cli import main
+
+    (tmp_path / "envs.py").write_text(ANSWERS)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"answer": "1"}, {"answer": "1", "broken": True}, {"answer": "x"},
+        {"answer": "1", "broken": True}]))
+    common = ["eval", "--model", "builtin-episodes", "--env", f"{tmp_path}/envs.py:Answers",
+              "--data", str(rows), "--max_new_tokens", "4", "--device", "cpu"]
+    assert main(common) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["skipped"] == 2
+    assert err.strip().splitlines()[-1] == (
+        "eval: 2 of 4 rows skipped (counted as wrong); the first: env Answers on row 2, "
+        "turn 1: step() raised KeyError: 'boom'")
+    # a reward that also fails on row 3 (its answer is no number): row 2 is still the first
+    assert main([*common, "--reward", f"{tmp_path}/envs.py:needs_answer"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["skipped"] == 3
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("eval: 3 of 4 rows skipped (counted as wrong); the first: env "
+                           "Answers on row 2, turn 1"), last
+    # every row valid but row 3: the reward's error, named by its row
+    rows.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"answer": "1"}, {"answer": "1"}, {"answer": "x"}]))
+    assert main([*common, "--reward", f"{tmp_path}/envs.py:needs_answer"]) == 0
+    out, err = capsys.readouterr()
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("eval: 1 of 3 rows skipped (counted as wrong); the first: row 3: "
+                           "reward 'needs_answer' raised ValueError"), last

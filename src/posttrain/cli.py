@@ -234,11 +234,16 @@ def _run_eval_episodes(args) -> int:
                                               trust_remote_code=args.trust_remote_code),
                                use_fast)
     engine = make_engine("auto", model, tok, use_fast)
+    errors: list[str] = []
     result = evaluate_episodes(engine, tok, spec, rows, parse_rewards(args.reward or ""),
                                EpisodeLimits(args.max_turns, args.max_episode_tokens),
                                args.max_new_tokens, args.batch_size, Renderer(tok, tools),
-                               "answer" if args.tools else "transcript")
+                               "answer" if args.tools else "transcript", errors)
     print(_json({"model": model_name, **result}))
+    if errors:  # (they count as wrong; say why)
+        first = " ".join(errors[0].split())
+        print(f"eval: {len(errors)} of {len(rows)} rows skipped (counted as wrong); the "
+              f"first: {first:.600}", file=sys.stderr)
     return 0
 
 

@@ -48,7 +48,7 @@ class Episodes:
     messages: list[list[dict]]
     """Each episode's conversation as messages (the first one included)."""
     errors: list[str] = field(default_factory=list)
-    """One line per episode dropped on an error."""
+    """One line per episode dropped on an error, in episode order."""
 
     @property
     def first(self) -> list[str]:
@@ -85,6 +85,8 @@ class _Live:
     done: bool = False
     truncated: bool = False
     valid: bool = True
+    error: str = ""
+    """Why the episode was dropped (``on_error="skip"``)."""
     env_s: float = 0.0
     version: int = 0
     versions: list[int] = field(default_factory=list)
@@ -113,7 +115,6 @@ def run_episodes(engine, tokenizer, spec: EnvSpec, rows: list[dict], n: int,
     called before every turn after the first (partial rollouts: the engine may take newer
     weights there; each token keeps the version that sampled it, ``Rollout.versions``)."""
     renderer = renderer or Renderer(tokenizer)
-    errors: list[str] = []
     live: list[_Live] = []
     for i, row in enumerate(rows):
         for _ in range(n):  # each episode its own copy of the row
@@ -124,9 +125,8 @@ def run_episodes(engine, tokenizer, spec: EnvSpec, rows: list[dict], n: int,
             except EnvError as e:
                 if on_error != "skip":
                     raise
-                errors.append(str(e))
                 live.append(_Live(None, [tokenizer.eos_token_id], done=True, valid=False,
-                                  env_s=time.perf_counter() - t0))
+                                  error=str(e), env_s=time.perf_counter() - t0))
                 continue
             msg = {"role": "user", "content": first}
             prompt = renderer.start([msg])
@@ -137,12 +137,12 @@ def run_episodes(engine, tokenizer, spec: EnvSpec, rows: list[dict], n: int,
                                f"{max_length}")
             live.append(_Live(ep, prompt, messages=[msg], env_s=time.perf_counter() - t0))
     with engine.reusing_prefixes() if reuse else contextlib.nullcontext():
-        _turns(engine, tokenizer, live, n, seeds, params, limits, on_error, renderer, errors,
-               extras, workers, before_turn)
-    return _collect(live, tokenizer, n, errors)
+        _turns(engine, tokenizer, live, n, seeds, params, limits, on_error, renderer, extras,
+               workers, before_turn)
+    return _collect(live, tokenizer, n)
 
 
-def _turns(engine, tokenizer, live, n, seeds, params, limits, on_error, renderer, errors,
+def _turns(engine, tokenizer, live, n, seeds, params, limits, on_error, renderer,
            extras=frozenset(), workers=1, before_turn=None):
     """Every episode of ``live`` to its end, one engine call per turn."""
     for turn in range(limits.max_turns):
@@ -194,8 +194,7 @@ def _turns(engine, tokenizer, live, n, seeds, params, limits, on_error, renderer
             if isinstance(got, EnvError):
                 if on_error != "skip":
                     raise got
-                errors.append(str(got))
-                e.done, e.valid = True, False
+                e.done, e.valid, e.error = True, False, str(got)
                 continue
             message, reward, done = got
             e.ret += reward
@@ -238,20 +237,28 @@ def score_episodes(eps: Episodes, rows: list[dict], rewards, on_error: str = "ra
     (``completion="transcript"``, ``--env``) or its last assistant turn (``"answer"``,
     ``--tools``), its row's columns and ``messages`` (the conversation); correct: the
     total reaches 1."""
-    from posttrain.rewards import reward_columns, score
+    from posttrain.rewards import score
 
     total, terms, valid = eps.returns, {"env": eps.returns}, eps.valid
     if rewards:
-        columns = {**reward_columns(rows), "messages": eps.messages}
-        texts = eps.answers if completion == "answer" else eps.rollout.texts
-        extra, more, ok = score(rewards, eps.first, texts, columns, on_error)
+        extra, more, ok = score(rewards, *reward_inputs(eps, rows, completion), on_error)
         total, valid = total + extra, valid & ok
         terms.update(more)
     total = torch.where(valid, total, 0.0)
     return total, terms, valid, total >= 1
 
 
-def _collect(live: list[_Live], tokenizer, n: int, errors: list[str]) -> Episodes:
+def reward_inputs(eps: Episodes, rows: list[dict], completion: str = "transcript"
+                  ) -> tuple[list[str], list[str], dict[str, list]]:
+    """What the reward terms read (:func:`score_episodes`): ``(prompts, completions,
+    columns)``."""
+    from posttrain.rewards import reward_columns
+
+    texts = eps.answers if completion == "answer" else eps.rollout.texts
+    return eps.first, texts, {**reward_columns(rows), "messages": eps.messages}
+
+
+def _collect(live: list[_Live], tokenizer, n: int) -> Episodes:
     pad = tokenizer.pad_token_id
     T = max(1, *(len(e.tokens) for e in live)) if live else 1
     N = len(live)
@@ -286,7 +293,7 @@ def _collect(live: list[_Live], tokenizer, n: int, errors: list[str]) -> Episode
         rollout.routing = _routing(live, max(len(e.prompt) for e in live) + T)
     return Episodes(rollout, torch.tensor([e.ret for e in live], dtype=torch.float64),
                     torch.tensor([e.valid for e in live], dtype=torch.bool),
-                    [e.messages for e in live], errors)
+                    [e.messages for e in live], [e.error for e in live if not e.valid])
 
 
 def _routing(live: list[_Live], width: int) -> torch.Tensor:
