@@ -236,3 +236,22 @@ def test_a_tracker_that_fails_while_logging_is_dropped_and_the_run_goes_on(tmp_p
     assert "Broken failed (ConnectionError: lost): no longer logging to it" in caplog.text
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["a"] for r in rows] == [1.0, 2.0]
+
+
+def test_wandb_writes_under_wandb_dir_where_it_is_set(offline, monkeypatch):
+    """W&B's files go under ``WANDB_DIR`` where the user set it, under the run directory
+    otherwise."""
+    from posttrain.trainers.loop.trackers import WandB
+
+    run, chosen = offline / "run", offline / "chosen"
+    run.mkdir()
+    chosen.mkdir()
+    monkeypatch.setenv("WANDB_DIR", str(chosen))
+    for run_id in ("setdir", "default"):
+        tracker = WandB(run, run_id, {"lr": 1.0})
+        tracker.log(1, {"reward/mean": 0.5})
+        tracker.close()
+        monkeypatch.delenv("WANDB_DIR", raising=False)
+    assert glob.glob(str(chosen / "wandb" / "offline-run-*" / "run-setdir.wandb"))
+    assert not glob.glob(str(run / "wandb" / "offline-run-*" / "run-setdir.wandb"))
+    assert glob.glob(str(run / "wandb" / "offline-run-*" / "run-default.wandb"))

@@ -7,8 +7,9 @@ library is imported only when named. The tracker's run is keyed by the posttrain
 
 - **tensorboard** — events under ``OUTPUT_DIR/tensorboard``; a table is a Markdown text.
 - **wandb** — run id = the posttrain run id, ``resume="allow"``; files under
-  ``OUTPUT_DIR/wandb``. ``WANDB_MODE=offline`` works without an account (``wandb sync``
-  uploads later); ``WANDB_PROJECT`` names the project (default ``posttrain``). Rows are
+  ``WANDB_DIR/wandb`` where ``WANDB_DIR`` is set, else ``OUTPUT_DIR/wandb``.
+  ``WANDB_MODE=offline`` works without an account (``wandb sync`` uploads later);
+  ``WANDB_PROJECT`` names the project (default ``posttrain``). Rows are
   logged against a ``step`` metric of their own, so the rows a killed run wrote after its
   last checkpoint stay beside the resumed run's.
 - **mlflow** — the store ``MLFLOW_TRACKING_URI`` names, else a local SQLite store
@@ -110,8 +111,8 @@ class WandB(Tracker):
 
         self.wandb = wandb
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "posttrain"),
-                              id=run_id, name=out.name, resume="allow", dir=str(out),
-                              config=config)
+                              id=run_id, name=out.name, resume="allow",
+                              dir=os.environ.get("WANDB_DIR") or str(out), config=config)
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
 
