@@ -97,3 +97,13 @@ def grad_term_scales(terms: torch.Tensor, params) -> list[float]:
             if g is not None:
                 t += g.double().abs()
     return [float(t.amax()) if t.numel() else 0.0 for t in total]
+
+
+def logprob_tolerance(model, logits: torch.Tensor, extra: int = 1) -> float:
+    """Two float32 computations of log-probs from ``model``'s logits (a sampler's incremental
+    forward and a full one, say): ``pair_bound`` of the model's forward plus ``extra``
+    reductions over V (the log-softmax; a renormalisation adds one more), times the terms'
+    size on these ``logits`` (``logprob_scale``, already divided by any temperature)."""
+    cfg = model.config
+    return pair_bound(model_stages(cfg, backward=False) + extra,
+                      model_inner(cfg, logits.shape[-1])) * logprob_scale(logits)
