@@ -37,6 +37,7 @@ def offline(tmp_path, monkeypatch):
                  "TRACKIO_DIR": tmp_path / "trackio"}.items():
         monkeypatch.setenv(k, str(v))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("WANDB_DIR", raising=False)  # (the run directory's, unless a test sets it)
     return tmp_path
 
 
