@@ -33,6 +33,18 @@ def tiny_model_dir(tmp_path_factory) -> str:
     return str(path)
 
 
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto`` (the fast tier's default): a worker per core this process may use, at most
+    4. The tests run torch on one thread each (the fixture above), so on two cores two
+    workers halve the tier; past four, each worker's imports and memory outweigh the
+    gain."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # (not on Linux)
+        cores = os.cpu_count() or 1
+    return max(1, min(4, cores))
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` need a CUDA device; without one they are skipped, not failed."""
     if torch.cuda.is_available():
