@@ -205,6 +205,26 @@ def test_save_model_reloads_with_plain_transformers(lm, tok, tmp_path):
     assert (tok2.pad_token_id, tok2.eos_token_id) == (tok.pad_token_id, tok.eos_token_id)
 
 
+def test_fresh_reward_head_starts_at_unit_scale(tiny_model_dir, tok, tmp_path):
+    """The reward model's fresh head is drawn N(0, 1/H), not transformers' N(0, 0.02²):
+    under AdamW the backbone moves about lr per step whatever |w| is, so the score moves in
+    proportion to |w|, and a 0.02 head left the built-in recipe at ln 2 for hundreds of
+    steps (docs/benchmarks.md). |w|² is then a χ² with H degrees of freedom over H: mean 1,
+    standard deviation √(2/H) (0.25 at H = 32), so it lies above 1/4 but for a draw 3
+    standard deviations out, and a 0.02 head (|w|² ≈ H·0.0004 = 0.0128) fails. A
+    checkpoint's own head is kept as saved, and without fan_in_head transformers' draw
+    stays."""
+    torch.manual_seed(0)
+    rm = load_reward_model(tiny_model_dir, tok, device="cpu", fan_in_head=True)
+    assert float(rm.score.weight.square().sum()) > 0.25
+    torch.manual_seed(0)
+    plain = load_reward_model(tiny_model_dir, tok, device="cpu")
+    assert float(plain.score.weight.square().sum()) < 0.25
+    save_model(plain, tok, tmp_path / "rm")
+    again = load_reward_model(str(tmp_path / "rm"), tok, device="cpu", fan_in_head=True)
+    assert torch.equal(again.score.weight, plain.score.weight)
+
+
 def test_reward_model_save_reload(rm, tok, tmp_path):
     save_model(rm, tok, tmp_path / "rm")
     assert (tmp_path / "rm" / "model.safetensors").exists()

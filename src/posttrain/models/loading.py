@@ -274,20 +274,48 @@ def load_causal_lm(name: str, dtype: str = "float32", device: str = "auto",
     return model.to(pick_device(device))
 
 def load_reward_model(name: str, tokenizer: PreTrainedTokenizerBase, dtype: str = "float32",
-                      device: str = "auto", trust_remote_code: bool = False) -> PreTrainedModel:
+                      device: str = "auto", trust_remote_code: bool = False,
+                      fan_in_head: bool = False) -> PreTrainedModel:
     """A sequence-classification model with one output: a ``*ForSequenceClassification``
     checkpoint as it is, or a causal-LM checkpoint whose backbone gets a fresh scalar head;
-    an adapter directory on either (a LoRA reward model's saves its head)."""
+    an adapter directory on either (a LoRA reward model's saves its head).
+
+    ``fan_in_head``: draw a fresh head from torch's global generator as
+    :func:`init_fan_in_head` says instead of keeping transformers' draw (a checkpoint's own
+    head is never touched)."""
     if is_adapter(name):
         return _merged_adapter(name, lambda base: load_reward_model(
-            base, tokenizer, dtype, device, trust_remote_code))
+            base, tokenizer, dtype, device, trust_remote_code, fan_in_head))
     path = resolve(name)
     auto = AutoModelForSequenceClassification
-    model = _loaded("reward model", path, lambda: auto.from_pretrained(
-        path, num_labels=1, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code))
+    model, info = _loaded("reward model", path, lambda: auto.from_pretrained(
+        path, num_labels=1, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code,
+        output_loading_info=True))
+    head = getattr(model, "score", None)
+    if fan_in_head and isinstance(head, torch.nn.Linear) and (
+            {f"score.{k}" for k, _ in head.named_parameters()} & set(info["missing_keys"])):
+        init_fan_in_head(head)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     return model.to(pick_device(device))
+
+
+@torch.no_grad()
+def init_fan_in_head(head: torch.nn.Linear) -> None:
+    """A fresh scalar head ``w`` drawn N(0, 1/H) (H its input width; bias 0), so that on a
+    final-normed hidden state (root-mean-square about its norm's gain) the score starts at
+    unit scale whatever the width.
+
+    transformers draws it N(0, initializer_range²), 0.02 whatever the width. Under AdamW
+    every backbone weight moves about lr per step however small ``w`` is, so the score moves
+    in proportion to |w|: on a model whose pooled (eos) states of a pair start nearly equal
+    (the built-in model: cosine 0.9996, scores 0.004 apart) a 0.02 head left the Bradley–Terry
+    loss at ln 2 for hundreds of steps, and where it left was decided by float rounding
+    (docs/benchmarks.md, "Reward-model robustness")."""
+    head.weight.normal_(0.0, head.in_features ** -0.5)
+    if head.bias is not None:
+        head.bias.zero_()
+
 
 def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: str | Path,
                state_dict: dict | None = None) -> None:

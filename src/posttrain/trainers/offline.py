@@ -366,7 +366,8 @@ def run_rm(cfg: RMConfig) -> dict[str, float]:
     dtype = sharding.load_dtype(cfg, pick_device(cfg.device))
     model = fast.prepare_model(trained.load_trained(
         cfg, resume, lambda name: load_reward_model(name, tokenizer, dtype, cfg.device,
-                                                    cfg.trust_remote_code),
+                                                    cfg.trust_remote_code,
+                                                    fan_in_head=cfg.head_init == "fan_in"),
         heads=("score",)), cfg.fast)
     compile_models(cfg, [model], model.device)
     return RewardTrainer(cfg, trained.shard_trained(cfg, model), tokenizer, train_ex,
