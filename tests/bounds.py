@@ -99,6 +99,26 @@ def grad_term_scales(terms: torch.Tensor, params) -> list[float]:
     return [float(t.amax()) if t.numel() else 0.0 for t in total]
 
 
+def grad_term_scales_by_row(rows, params) -> list[float]:
+    """``grad_term_scales`` of the terms of ``rows``, a sequence of 1-d tensors each from its
+    own graph (one sequence's forward, say): the same ``Σ_k |∂ terms_k / ∂p|``, but a term's
+    backward runs through its own row's graph only, and a row's terms go through one
+    vectorised backward (``is_grads_batched``, the rows of an identity as the seeds). The
+    graph must be free of in-place ops on vmapped tensors (a plain ``log_softmax`` head)."""
+    params = list(params)
+    total = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+    for terms in rows:
+        if terms.numel() == 0:
+            continue
+        seeds = torch.eye(terms.numel(), dtype=terms.dtype)
+        grads = torch.autograd.grad(terms, params, grad_outputs=seeds, is_grads_batched=True,
+                                    allow_unused=True)
+        for t, g in zip(total, grads, strict=True):
+            if g is not None:
+                t += g.double().abs().sum(0)
+    return [float(t.amax()) if t.numel() else 0.0 for t in total]
+
+
 def logprob_tolerance(model, logits: torch.Tensor, extra: int = 1) -> float:
     """Two float32 computations of log-probs from ``model``'s logits (a sampler's incremental
     forward and a full one, say): ``pair_bound`` of the model's forward plus ``extra``
@@ -107,3 +127,40 @@ def logprob_tolerance(model, logits: torch.Tensor, extra: int = 1) -> float:
     cfg = model.config
     return pair_bound(model_stages(cfg, backward=False) + extra,
                       model_inner(cfg, logits.shape[-1])) * logprob_scale(logits)
+
+
+# One log-softmax (``token_logprobs``, ``token_entropy``) against exact arithmetic, entry by
+# entry. Sharper than ``rel_bound`` with ``logprob_scale``: the one reduction, the sum of V
+# exponentials, adds positive terms, so its error is relative to the sum and the log turns it
+# into an absolute one that does not grow with the logits.
+
+
+def logsoftmax_error(logits: torch.Tensor, dtype: torch.dtype = torch.float32) -> float:
+    """``z_y − logsumexp(z)`` (and the log-sum-exp) computed in ``dtype``: the sum of V
+    positive exponentials is within ``√V·u`` relative, the exp's rounding ``u`` relative, both
+    absolute after the log; the shift by the max (through the exp), the log, adding the max
+    back and the final subtraction each round once, on operands at most ``logprob_scale``."""
+    u = unit_roundoff(dtype)
+    return u * (math.sqrt(logits.shape[-1]) + 1 + 4 * logprob_scale(logits))
+
+
+def entropy_error(logits: torch.Tensor, dtype: torch.dtype = torch.float32) -> float:
+    """``H = −Σ_v p_v log p_v`` with ``log p = z − lse`` (each off by ``L``, logsoftmax_error)
+    and ``p = exp(log p)`` (relative error ``L + u``): ``Σ p_v·L + Σ p_v|log p_v|·(L + 2u)`` and
+    the sum of V positive terms adding up to ``H ≤ log V`` (``√V·u·H``)."""
+    u, log_v = unit_roundoff(dtype), math.log(logits.shape[-1])
+    big_l = logsoftmax_error(logits, dtype)
+    return big_l * (1 + log_v) + u * (math.sqrt(logits.shape[-1]) + 2) * log_v
+
+
+def logsoftmax_grad_error(logits: torch.Tensor, dtype: torch.dtype = torch.float32) -> float:
+    """The gradient of a log-prob (``1[v=y] − p_v``) plus that of the entropy
+    (``−p_v·(log p_v + H)``) with respect to the logits, element by element: ``p_v ≤ 1`` off by
+    ``L + u`` relative, times the factors ``1`` and ``|log p_v| + H`` (``p·|log p| ≤ 1/e``,
+    ``H ≤ log V``); the factor ``log p_v + H`` off by ``L`` plus the entropy's error; a
+    rounding of ``u`` at each of the three products and the two sums."""
+    u, log_v = unit_roundoff(dtype), math.log(logits.shape[-1])
+    big_l = logsoftmax_error(logits, dtype)
+    return ((big_l + u) * (2 + log_v) + big_l + entropy_error(logits, dtype)
+            + 5 * u * (2 + log_v))
+
