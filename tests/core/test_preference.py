@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from bounds import assert_within, rel_bound, unit_roundoff
 from posttrain.core.preference import bradley_terry_loss, dpo_loss
 
 BATCHES = [1, 5, 16]
@@ -21,6 +22,37 @@ def _neg_log_sigmoid(z: float) -> float:
 def _sigmoid(z: float) -> float:
     """σ(z) in float64, written so neither branch overflows for |z| ≤ 700."""
     return 1.0 / (1.0 + math.exp(-z)) if z >= 0 else math.exp(z) / (1.0 + math.exp(z))
+
+
+# Tolerances: every loss here is a short chain of elementwise operations (no reduction), so
+# its float error is u times the size of what each operation rounds, carried to the output by
+# the chain's derivatives: the subtractions and β·(…) on |Δ| and |z|, softplus's exp and log1p
+# (an ulp, 2u, each: 2u + 2u·loss), the square (2|q|·err q + u·q²). The float64 references
+# add their own (u64 times the same, and 4u64·(1 + loss) for the naive −log(1/(1 + e^{−z}))).
+# A 1% error, or a wrong sign or term, is ~10^4 times beyond these bounds.
+U64 = unit_roundoff(torch.float64)
+
+
+def _softplus_err(x, u):
+    """softplus(x) = log1p(exp(x)) computed with error ≤ u·(2 + 2·softplus(x))."""
+    return u * (2 + 2 * torch.nn.functional.softplus(x))
+
+
+def _bt_bound(rc, rr, margin, center, dtype=torch.float32):
+    """bradley_terry_loss and its gradient d/d r_c against the float64 formula, per pair."""
+    u = unit_roundoff(dtype)
+    c, r = rc.detach().double(), rr.detach().double()
+    m = torch.zeros_like(c) if margin is None else torch.as_tensor(margin, dtype=torch.float64)
+    diff, z = c - r, c - r - m
+    err_z = u * (diff.abs() + z.abs() + m.abs())  # diff, − margin, the margin's own rounding
+    sq = (c + r).square()
+    loss = torch.nn.functional.softplus(-z) + center * sq
+    err_loss = err_z + _softplus_err(-z, u) + center * 3 * u * sq + u * loss.abs()
+    sig = torch.sigmoid(-z)
+    grad = -sig + 2 * center * (c + r)
+    err_grad = err_z / 4 + 3 * u * sig + 6 * u * center * (c + r).abs() + u * grad.abs()
+    ref = U64 * (4 + loss.abs()) + U64 * (diff.abs() + z.abs() + 3 * center * sq + 4)
+    return err_loss + ref, err_grad + 4 * U64 * (1 + grad.abs())
 
 
 def _rewards(batch, seed, scale=2.0):
@@ -47,8 +79,8 @@ def test_bradley_terry_matches_formula(batch, margin_kind, center):
         m = 0.0 if margin is None else (margin if isinstance(margin, float) else float(margin[i]))
         c, r = float(rc[i]), float(rr[i])
         expect.append(_neg_log_sigmoid(c - r - m) + center * (c + r) ** 2)
-    torch.testing.assert_close(loss.double(), torch.tensor(expect, dtype=torch.float64),
-                               rtol=1e-5, atol=1e-6)
+    assert_within(loss, torch.tensor(expect, dtype=torch.float64), 1.0,
+                  _bt_bound(rc, rr, margin, center)[0], "loss")
 
 
 @pytest.mark.parametrize("batch", BATCHES)
@@ -57,15 +89,21 @@ def test_bradley_terry_metrics(batch):
     rc, rr = _rewards(batch, 100 + batch)
     _, metrics = bradley_terry_loss(rc, rr, margin=0.5)
     diffs = [float(c) - float(r) for c, r in zip(rc, rr, strict=True)]
-    assert float(metrics["accuracy"]) == pytest.approx(sum(d > 0 for d in diffs) / batch)
-    assert float(metrics["margin"]) == pytest.approx(sum(diffs) / batch, abs=1e-5)
-    assert float(metrics["chosen_reward"]) == pytest.approx(sum(map(float, rc)) / batch, abs=1e-5)
-    assert float(metrics["rejected_reward"]) == pytest.approx(sum(map(float, rr)) / batch,
-                                                              abs=1e-5)
+    # k/B of a count: the float32 division rounds once
+    assert float(metrics["accuracy"]) == pytest.approx(sum(d > 0 for d in diffs) / batch,
+                                                       rel=unit_roundoff(), abs=0)
+    # a float32 mean of B values: the sum within rel_bound(1, B) of Σ|x|, the division and
+    # (for the margin) each subtraction one rounding more
+    for key, values, extra in (("margin", diffs, 1), ("chosen_reward", rc.tolist(), 0),
+                               ("rejected_reward", rr.tolist(), 0)):
+        size = sum(map(abs, values)) / batch
+        tol = (rel_bound(1, batch) + (1 + extra) * unit_roundoff()) * size
+        assert float(metrics[key]) == pytest.approx(sum(values) / batch, abs=tol), key
 
 
 def test_bradley_terry_metrics_by_hand():
-    """Three pairs with margins 2, -1, 0: accuracy 1/3 (ties are not wins), mean margin 1/3."""
+    """Three pairs with margins 2, -1, 0: accuracy 1/3 (ties are not wins), mean margin 1/3.
+    (Integers exact in float32; only the division by 3 rounds: pytest.approx's 1e-6 is ~17u.)"""
     rc = torch.tensor([3.0, 0.0, 1.0])
     rr = torch.tensor([1.0, 1.0, 1.0])
     _, metrics = bradley_terry_loss(rc, rr)
@@ -86,8 +124,12 @@ def test_bradley_terry_gradient(batch, center):
         s = _sigmoid(-(c - r - 0.3))
         gc.append(-s + 2 * center * (c + r))
         gr.append(s + 2 * center * (c + r))
-    torch.testing.assert_close(rc.grad.double(), torch.tensor(gc, dtype=torch.float64))
-    torch.testing.assert_close(rr.grad.double(), torch.tensor(gr, dtype=torch.float64))
+    # d/d r_r = σ(−z) + 2c·s has the same error terms as d/d r_c = −σ(−z) + 2c·s, but its own
+    # size in the last rounding: the bound at the larger of the two
+    _, err = _bt_bound(rc, rr, 0.3, center)
+    err = err + unit_roundoff() * torch.tensor(gr, dtype=torch.float64).abs()
+    assert_within(rc.grad, torch.tensor(gc, dtype=torch.float64), 1.0, err, "d/d r_c")
+    assert_within(rr.grad, torch.tensor(gr, dtype=torch.float64), 1.0, err, "d/d r_r")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
@@ -101,11 +143,11 @@ def test_bradley_terry_extreme_margins(dtype):
     z = [200.0, -200.0, -200.0, 200.0]
     expect = [max(-v, 0.0) + math.log1p(math.exp(-abs(v))) for v in z]  # stable -log σ(z)
     assert torch.isfinite(loss).all() and torch.isfinite(rc.grad).all()
-    torch.testing.assert_close(loss.double(), torch.tensor(expect, dtype=torch.float64),
-                               rtol=1e-3, atol=1e-6)
-    torch.testing.assert_close(rc.grad.double(),
-                               torch.tensor([-_sigmoid(-v) for v in z], dtype=torch.float64),
-                               rtol=1e-3, atol=1e-6)
+    # computed in ``dtype`` (bf16 rounds every operation at 2^-8)
+    err_loss, err_grad = _bt_bound(rc, rr, margin, 0.0, dtype)
+    assert_within(loss, torch.tensor(expect, dtype=torch.float64), 1.0, err_loss, "loss")
+    assert_within(rc.grad, torch.tensor([-_sigmoid(-v) for v in z], dtype=torch.float64), 1.0,
+                  err_grad, "gradient")
     torch.testing.assert_close(rr.grad.double(), -rc.grad.double())
 
 
@@ -141,6 +183,43 @@ def _naive_dpo(logps, beta, loss_type, eps=0.0, lengths=None):
     return torch.tensor(out, dtype=torch.float64)
 
 
+def _dpo_bound(logps, beta, loss_type, eps=0.0, lengths=None, dtype=torch.float32):
+    """dpo_loss and its gradient d/d log π(y_w) against the float64 formula, per pair."""
+    u = unit_roundoff(dtype)
+    pc, pr, rc, rr = (x.detach().double() for x in logps)
+    dw, dl = pc - rc, pr - rr
+    k = 1
+    if loss_type == "ipo":
+        lc, lr = (x.double().clamp_min(1) for x in lengths)
+        dw, dl, k = dw / lc, dl / lr, 2  # the division rounds once more
+    z = beta * (dw - dl)
+    # Δ's rounding(s), their difference, β's own rounding and the product
+    err_z = u * (beta * (k * (dw.abs() + dl.abs()) + (dw - dl).abs()) + 2 * z.abs())
+    sig = torch.sigmoid(-z)
+    sp = torch.nn.functional.softplus
+    if loss_type == "sigmoid":
+        loss, dz = sp(-z), -sig
+        err_loss, err_dz = err_z + _softplus_err(-z, u), err_z / 4 + 3 * u * sig
+    elif loss_type == "robust":
+        loss = (1 - eps) * sp(-z) + eps * sp(z)
+        dz = -(1 - eps) * sig + eps * (1 - sig)
+        err_loss = err_z + _softplus_err(-z, u) + _softplus_err(z, u) + 3 * u * loss.abs()
+        err_dz = err_z / 4 + 6 * u
+    elif loss_type == "ipo":
+        q = z / beta - 1 / (2 * beta)
+        err_q = err_z / beta + u * (3 * (z / beta).abs() + 1 / (2 * beta) + q.abs())
+        loss, dz = q.square(), 2 * q / beta
+        err_loss = 2 * q.abs() * err_q + u * loss
+        err_dz = (2 * err_q + 3 * u * 2 * q.abs()) / beta
+    else:
+        loss, dz = torch.relu(1 - z), -(z < 1).double()
+        err_loss, err_dz = (err_z + u * (1 - z).abs()) * (z < 1), torch.zeros_like(z)
+    ref = 4 * U64 * (1 + loss.abs()) + U64 / u * err_loss
+    grad = beta * dz
+    err_grad = beta * err_dz + 2 * u * grad.abs()  # times β, and β's rounding
+    return err_loss + ref, err_grad + U64 / u * err_grad + 4 * U64 * grad.abs()
+
+
 CASES = [("sigmoid", 0.0), ("robust", 0.1), ("robust", 0.3), ("ipo", 0.0), ("hinge", 0.0)]
 
 
@@ -154,7 +233,8 @@ def test_dpo_matches_formula(batch, loss_type, eps, beta):
                        chosen_lengths=lengths[0], rejected_lengths=lengths[1])
     assert loss.shape == (batch,)
     expect = _naive_dpo(logps, beta, loss_type, eps, lengths)
-    torch.testing.assert_close(loss.double(), expect, rtol=1e-5, atol=1e-5)
+    assert_within(loss, expect, 1.0, _dpo_bound(logps, beta, loss_type, eps, lengths)[0],
+                  loss_type)
 
 
 def test_dpo_robust_without_smoothing_is_sigmoid():
@@ -172,6 +252,8 @@ def test_dpo_ipo_uses_length_average():
     one, two = torch.tensor([1]), torch.tensor([2])
     loss1, _ = dpo_loss(pc, pr, rc, rr, beta=0.5, loss_type="ipo",
                         chosen_lengths=one, rejected_lengths=one)
+    # small integers and halves, exact in float32 (β = 0.5, 1/(2β) = 1): pytest.approx's
+    # 1e-6 only covers the one rounding of a division by 2
     assert float(loss1) == pytest.approx((3.0 - 1.0) ** 2)
     loss2, _ = dpo_loss(pc, pr, rc, rr, beta=0.5, loss_type="ipo",
                         chosen_lengths=two, rejected_lengths=one)
@@ -228,8 +310,13 @@ def test_dpo_gradients(loss_type, eps):
     naive = _naive_dpo_torch(qc, qr, rc.detach(), rr.detach(), 0.3, loss_type, eps,
                              lc.double(), lr.double())
     (naive * w).sum().backward()
-    torch.testing.assert_close(pc.grad, qc.grad)
-    torch.testing.assert_close(pr.grad, qr.grad)
+    # two float64 paths, twice the float64 bound of each (times the weights ≤ 1); the naive
+    # −log(1/(1 + e^{−z})) differentiates through 4 more roundings of size ≤ 1 each
+    logps64 = [x.double() for x in logps]
+    _, err = _dpo_bound(logps64, 0.3, loss_type, eps, (lc, lr), torch.float64)
+    err = 2 * err + 8 * U64 * 0.3
+    assert_within(pc.grad, qc.grad, 1.0, err, "d/d log π(y_w)")
+    assert_within(pr.grad, qr.grad, 1.0, err + 2 * U64 * qr.grad.abs(), "d/d log π(y_l)")
 
 
 def test_dpo_sigmoid_gradient_analytic():
@@ -241,8 +328,9 @@ def test_dpo_sigmoid_gradient_analytic():
     rows = zip(*(x.tolist() for x in logps), strict=True)
     z = [beta * ((a - c) - (b - d)) for a, b, c, d in rows]
     s = torch.tensor([beta * _sigmoid(-v) for v in z], dtype=torch.float64)
-    torch.testing.assert_close(pc.grad.double(), -s)
-    torch.testing.assert_close(pr.grad.double(), s)
+    _, err = _dpo_bound(logps, beta, "sigmoid")
+    assert_within(pc.grad, -s, 1.0, err, "d/d log π(y_w)")
+    assert_within(pr.grad, s, 1.0, err, "d/d log π(y_l)")
 
 
 @pytest.mark.parametrize("loss_type, eps", CASES)
@@ -276,12 +364,12 @@ def test_dpo_extreme_margins_are_finite(loss_type, eps, dtype):
     else:
         expect = [max(0.0, 1 - v) for v in z]                     # [0, 201]
         dz = [-1.0 if v < 1 else 0.0 for v in z]
-    rtol = 1e-2 if dtype == torch.bfloat16 else 1e-5
-    torch.testing.assert_close(loss.double(), torch.tensor(expect, dtype=torch.float64),
-                               rtol=rtol, atol=1e-5)
-    torch.testing.assert_close(pc.grad.double(),
-                               torch.tensor([beta * d for d in dz], dtype=torch.float64),
-                               rtol=rtol, atol=1e-5)
+    # every operation rounds in ``dtype`` (bf16: 2^-8, β = 0.1 itself among them)
+    err_loss, err_grad = _dpo_bound([pc, pr, ref, ref], beta, loss_type, eps, (one, one),
+                                    dtype)
+    assert_within(loss, torch.tensor(expect, dtype=torch.float64), 1.0, err_loss, "loss")
+    assert_within(pc.grad, torch.tensor([beta * d for d in dz], dtype=torch.float64), 1.0,
+                  err_grad, "gradient")
     torch.testing.assert_close(pr.grad.double(), -pc.grad.double())
 
 
@@ -291,6 +379,7 @@ def test_dpo_metrics_by_hand():
     pc, pr = torch.tensor([-1.0, -2.0, -2.0]), torch.tensor([-3.0, -1.0, -2.0])
     rc, rr = torch.tensor([-2.0, -2.0, -2.0]), torch.tensor([-2.0, -2.0, -2.0])
     _, m = dpo_loss(pc, pr, rc, rr, beta=0.5)
+    # halves and integers exact in float32; the mean's division by 3 rounds once (approx: 1e-6)
     assert float(m["chosen_reward"]) == pytest.approx(0.5 / 3)
     assert float(m["rejected_reward"]) == pytest.approx(0.0)
     assert float(m["reward_accuracy"]) == pytest.approx(1 / 3)
@@ -308,10 +397,18 @@ def test_dpo_metrics_random(batch, loss_type):
     pc, pr, rc, rr = (x.double().tolist() for x in logps)
     cw = [beta * (a - b) for a, b in zip(pc, rc, strict=True)]
     cl = [beta * (a - b) for a, b in zip(pr, rr, strict=True)]
-    assert float(m["chosen_reward"]) == pytest.approx(sum(cw) / batch, abs=1e-5)
-    assert float(m["rejected_reward"]) == pytest.approx(sum(cl) / batch, abs=1e-5)
+    # per pair Δ and β·Δ round (with β itself) on ≤ 3|βΔ|; the float32 mean of B of them within
+    # rel_bound(1, B) of Σ|βΔ|, its division once more, the margin's difference once more
+    u = unit_roundoff()
+
+    def tol(values, roundings):
+        size = sum(map(abs, values)) / batch
+        return (rel_bound(1, batch) + (roundings + 1) * u) * size
+
+    assert float(m["chosen_reward"]) == pytest.approx(sum(cw) / batch, abs=tol(cw, 3))
+    assert float(m["rejected_reward"]) == pytest.approx(sum(cl) / batch, abs=tol(cl, 3))
     assert float(m["reward_accuracy"]) == pytest.approx(
         sum(a > b for a, b in zip(cw, cl, strict=True)) / batch)
     assert float(m["reward_margin"]) == pytest.approx(
-        sum(a - b for a, b in zip(cw, cl, strict=True)) / batch, abs=1e-5)
+        sum(a - b for a, b in zip(cw, cl, strict=True)) / batch, abs=tol(cw + cl, 4))
     assert all(v.dim() == 0 and not v.requires_grad for v in m.values())  # detached metrics
