@@ -164,3 +164,25 @@ def logsoftmax_grad_error(logits: torch.Tensor, dtype: torch.dtype = torch.float
     return ((big_l + u) * (2 + log_v) + big_l + entropy_error(logits, dtype)
             + 5 * u * (2 + log_v))
 
+
+
+# Statistics of a handful of values (a group's rewards, a batch's kept entries), element by
+# element and in any summation order: a sum of n terms in any order (any tree) is within
+# (n − 1)·u of the sum of their absolute values (Higham §4.2, the worst case, not √n: the
+# sizes here are small and a bound must hold on every kernel).
+
+
+def moment_errors(x: torch.Tensor, dtype: torch.dtype = torch.float32):
+    """For ``x`` (float64, the n values exactly as ``dtype`` holds them), first-order error
+    bounds of the statistics computed in ``dtype``: ``mean = Σx/n`` (the sum's (n−1)·u·Σ|x|,
+    over n, and the division's u·|mean|), each centred ``c_i = x_i − mean`` (the mean's error
+    and the subtraction's u·|c_i|), and ``Σ c_i²`` (each square 2|c_i|·e_c_i + u·c_i², the
+    sum's (n−1)·u·Σc²). Returns ``(mean, c, e_mean, e_c, sumsq, e_sumsq)``."""
+    u, n = unit_roundoff(dtype), x.numel()
+    mean = x.sum() / n
+    c = x - mean
+    e_mean = u * ((n - 1) * x.abs().sum() / n + mean.abs())
+    e_c = e_mean + u * c.abs()
+    sumsq = c.square().sum()
+    e_sumsq = (2 * c.abs() * e_c + u * c.square()).sum() + (n - 1) * u * sumsq
+    return float(mean), c, float(e_mean), e_c, float(sumsq), float(e_sumsq)

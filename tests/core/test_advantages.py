@@ -8,6 +8,7 @@ import pytest
 import torch
 from masks import SHAPES, random_mask
 
+from bounds import assert_within, moment_errors, unit_roundoff
 from posttrain.core.advantages import (
     discounted_returns,
     gae,
@@ -94,6 +95,81 @@ def naive_token_rewards(scores, kl, mask, k):
     return out
 
 
+# --- error bounds, derived from each estimator's arithmetic (tests/bounds.py) ---------------
+#
+# Every comparison below is the function (float32, or float64) against the float64 loop, so a
+# bound is the sum of both computations' errors: the same arithmetic at u32 and at u64. The
+# hand-computed float64 checks on 3-5 values keep assert_close's float64 defaults (1e-7): a
+# few u64 (~1e-16) of O(1) values lie 10^9 below them, and every wrong step is ≥ 1e-3 off;
+# the float32 ones on dyadic values (0.5, 0.25, integers) are exact. REINFORCE++'s float64
+# whitening over ≤ 200 tokens keeps 1e-9 and 1e-6: its rounding is ≤ 200·u64·|x| ~ 1e-13, a
+# wrong mean or variance is O(1) off.
+
+U32, U64 = unit_roundoff(torch.float32), unit_roundoff(torch.float64)
+
+
+def _group_bound(rewards, ids, estimator, eps=1e-6, dtype=torch.float32):
+    """Element by element, the error of ``group_advantages`` (``"grpo"``, ``"dr_grpo"``) or
+    ``rloo_advantages`` (``"rloo"``) in ``dtype`` plus the float64 loop's. GRPO: the mean's,
+    the centring's and Σc²'s errors (bounds.moment_errors), then var = Σc²/n (+u·var), std
+    (half var's relative error, +u), + eps (+u, and eps's own rounding ≤ u of the sum), and
+    A = c/(std + eps): e_c/(std + eps) + |A|·(std + eps's relative error + u). RLOO: the
+    sum's (n−1)·u·Σ|r|, the subtraction's u·|Σ − r_i| (both over n − 1), the division's
+    u·|others| and the final subtraction's u·|A|. Constant groups and groups of one are 0
+    exactly (bound 0). The bounds here are ≤ 3e-5: a 1% error of these O(1) advantages is
+    300 times beyond."""
+    x_all = rewards.double()
+    out = torch.zeros(len(ids), dtype=torch.float64)
+    for gid in ids.unique():
+        members = ids == gid
+        x, n = x_all[members], int(members.sum())
+        if n == 1 or bool((x == x[0]).all()):
+            continue
+        for dt in (dtype, torch.float64):
+            u = unit_roundoff(dt)
+            if estimator == "rloo":
+                total = x.sum()
+                others = (total - x) / (n - 1)
+                a = x - others
+                out[members] += ((n - 1) * u * x.abs().sum() + u * (total - x).abs()) / (n - 1) \
+                    + u * (others.abs() + a.abs())
+                continue
+            _, c, _, e_c, sumsq, e_sumsq = moment_errors(x, dt)
+            if estimator == "dr_grpo":
+                out[members] += e_c
+                continue
+            var = sumsq / n
+            std = math.sqrt(var)
+            e_std = (e_sumsq / n + u * var) / (2 * std) + u * std
+            d = std + eps
+            e_d = e_std + 2 * u * d
+            a = c / d
+            out[members] += e_c / d + a.abs() * (e_d / d + u)
+    return out
+
+
+def _gae_error(rewards, values, mask, gamma, lam):
+    """Element by element, GAE's error in units of u (multiply by u32 + u64 for float32 against
+    the float64 loop, which rounds the same operations): δ = R + γ·V' − V rounds γ (a float32
+    constant) and the product (2u·|γV'|), the sum (u·|R + γV'|) and the difference (u·|δ|);
+    A = δ + γλ·A' rounds γλ and the product (2u·|γλA'|) and the sum (u·|A|), and carries A''s
+    error times γλ. Returns (advantages, returns = A + V: one more u·|A + V|). With V = 0 and
+    λ = 1 it bounds the discounted returns (the same operations less the exact ones)."""
+    B, T = mask.shape
+    adv, ret = torch.zeros(B, T, dtype=torch.float64), torch.zeros(B, T, dtype=torch.float64)
+    for b in range(B):
+        next_v = next_a = next_e = 0.0
+        for t in reversed([t for t in range(T) if mask[b, t]]):
+            r, v = float(rewards[b, t]), float(values[b, t])
+            s1 = r + gamma * next_v
+            a = s1 - v + gamma * lam * next_a
+            e = (2 * abs(gamma * next_v) + abs(s1) + abs(s1 - v) + 2 * abs(gamma * lam * next_a)
+                 + abs(a) + gamma * lam * next_e)
+            adv[b, t], ret[b, t] = e, e + abs(a + v)
+            next_v, next_a, next_e = v, a, e
+    return adv, ret
+
+
 # --- group statistics ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("sizes", [[4, 4, 4], [1, 2, 3, 5, 8], [7], [2, 1, 6, 3, 3, 1]])
@@ -108,20 +184,24 @@ def test_group_advantages_match_per_group_loop(sizes, stride, seed):
     for scale in (True, False):
         got = group_advantages(rewards, ids, scale_by_std=scale)
         want = naive_group_advantages(rewards, ids, scale_by_std=scale)
-        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+        assert_within(got, want, 1.0, _group_bound(rewards, ids, "grpo" if scale else "dr_grpo"),
+                      f"scale_by_std={scale}")
 
 
 def test_group_advantages_use_population_std():
     """Rewards (0, 2): population std 1, so A = ±1/(1+eps); the sample std √2 would give
     ±0.707."""
-    adv = group_advantages(torch.tensor([0.0, 2.0]), torch.tensor([0, 0]), eps=1e-6)
-    torch.testing.assert_close(adv.double(), torch.tensor([-1.0, 1.0], dtype=torch.float64)
-                               / (1.0 + 1e-6))
+    rewards, ids = torch.tensor([0.0, 2.0]), torch.tensor([0, 0])
+    adv = group_advantages(rewards, ids, eps=1e-6)
+    # within the derived bound (a few u32 of 1); the sample std is 30% off
+    assert_within(adv, torch.tensor([-1.0, 1.0], dtype=torch.float64) / (1.0 + 1e-6), 1.0,
+                  _group_bound(rewards, ids, "grpo"))
     # (1, 2, 6): mean 3, population var (4 + 1 + 9) / 3 = 14/3
-    adv = group_advantages(torch.tensor([1.0, 2.0, 6.0]), torch.tensor([0, 0, 0]), eps=0.0)
+    rewards, ids = torch.tensor([1.0, 2.0, 6.0]), torch.tensor([0, 0, 0])
+    adv = group_advantages(rewards, ids, eps=0.0)
     s = math.sqrt(14 / 3)
-    torch.testing.assert_close(adv.double(), torch.tensor([-2 / s, -1 / s, 3 / s],
-                                                          dtype=torch.float64))
+    assert_within(adv, torch.tensor([-2 / s, -1 / s, 3 / s], dtype=torch.float64), 1.0,
+                  _group_bound(rewards, ids, "grpo", eps=0.0))
 
 
 @pytest.mark.parametrize("value", [0.0, 1.0, 0.1, 0.7, 3.3, -2.5, 1e5 + 0.3, 123456.7])
@@ -144,7 +224,8 @@ def test_integer_rewards_all_equal():
     ids = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2])
     adv = group_advantages(rewards, ids)
     assert adv.is_floating_point()
-    torch.testing.assert_close(adv.double(), naive_group_advantages(rewards, ids))
+    assert_within(adv, naive_group_advantages(rewards, ids), 1.0,
+                  _group_bound(rewards.float(), ids, "grpo"))
     assert torch.equal(adv[:6], torch.zeros(6))
     assert torch.equal(rloo_advantages(rewards, ids), torch.tensor([0.0] * 6 + [1.0, -1.0]))
 
@@ -165,7 +246,8 @@ def test_dr_grpo_is_mean_centring():
     ids = torch.tensor([0, 1, 0, 1, 0])
     # group 0: (1, 10, 2), mean 13/3; group 1: (4, 0), mean 2
     want = torch.tensor([1 - 13 / 3, 2.0, 10 - 13 / 3, -2.0, 2 - 13 / 3], dtype=torch.float64)
-    torch.testing.assert_close(group_advantages(rewards, ids, scale_by_std=False).double(), want)
+    assert_within(group_advantages(rewards, ids, scale_by_std=False), want, 1.0,
+                  _group_bound(rewards, ids, "dr_grpo"))
 
 
 @pytest.mark.parametrize("sizes", [[2, 2], [1, 2, 3, 5, 8], [6], [3, 1, 4, 1, 5]])
@@ -175,14 +257,15 @@ def test_rloo_matches_per_sample_loop(sizes, seed):
     gen = torch.Generator().manual_seed(seed)
     ids = random_groups(sizes, gen, stride=2)
     rewards = torch.randn(len(ids), generator=gen) * 2
-    torch.testing.assert_close(rloo_advantages(rewards, ids).double(), naive_rloo(rewards, ids),
-                               rtol=1e-5, atol=1e-5)
+    assert_within(rloo_advantages(rewards, ids), naive_rloo(rewards, ids), 1.0,
+                  _group_bound(rewards, ids, "rloo"))
 
 
 def test_rloo_by_hand():
     """Group (1, 2, 6): A = 1-4, 2-3.5, 6-1.5; group (5, 3): A = 2, -2."""
     adv = rloo_advantages(torch.tensor([1.0, 5.0, 2.0, 3.0, 6.0]), torch.tensor([0, 1, 0, 1, 0]))
-    torch.testing.assert_close(adv, torch.tensor([-3.0, 2.0, -1.5, -2.0, 4.5]))
+    # small integers and halves: every sum, difference and quotient is exact in float32
+    torch.testing.assert_close(adv, torch.tensor([-3.0, 2.0, -1.5, -2.0, 4.5]), rtol=0, atol=0)
 
 
 # --- GAE and returns -------------------------------------------------------------------------
@@ -229,9 +312,11 @@ def test_gae_matches_python_loop(shape, holes, seed):
     gamma, lam = torch.rand(2, generator=gen, dtype=torch.float64).tolist()
     adv, ret = gae(rewards, values, mask, gamma, lam)
     want_adv, want_ret = naive_gae(rewards, values, mask, gamma, lam)
-    torch.testing.assert_close(adv, want_adv)
-    torch.testing.assert_close(ret, want_ret)
-    torch.testing.assert_close(ret, torch.where(mask, adv + values, 0.0))
+    e_adv, e_ret = _gae_error(rewards, values, mask, gamma, lam)
+    assert_within(adv, want_adv, 2 * U64, e_adv, "advantages")  # two float64 computations
+    assert_within(ret, want_ret, 2 * U64, e_ret, "returns")
+    # the function's returns are its own advantages plus the values, one rounding: bitwise
+    assert torch.equal(ret, torch.where(mask, adv + values, 0.0))
 
 
 def test_gae_float32_matches_loop():
@@ -242,8 +327,11 @@ def test_gae_float32_matches_loop():
     adv, ret = gae(rewards, values, mask, 0.99, 0.95)
     want_adv, want_ret = naive_gae(rewards, values, mask, 0.99, 0.95)
     assert adv.dtype == torch.float32
-    torch.testing.assert_close(adv.double(), want_adv, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ret.double(), want_ret, rtol=1e-5, atol=1e-5)
+    # the recursion's roundings over ≤ 12 tokens (_gae_error), ~1e-6 of these O(1) values: a
+    # 1% error, or a token's δ dropped, is 10^3 and more beyond
+    e_adv, e_ret = _gae_error(rewards.double(), values.double(), mask, 0.99, 0.95)
+    assert_within(adv, want_adv, U32 + U64, e_adv, "advantages")
+    assert_within(ret, want_ret, U32 + U64, e_ret, "returns")
 
 
 def _pad(x: torch.Tensor, left: int, right: int, fill: float) -> torch.Tensor:
@@ -268,7 +356,9 @@ def test_gae_and_returns_do_not_depend_on_padding(seed):
     for out in (adv, ret, disc):
         picked = out[mask].view(len(layouts), L)
         for row in picked[1:]:
-            torch.testing.assert_close(row, picked[0], rtol=0, atol=1e-12)
+            # the same elementwise IEEE operations (each correctly rounded at any vector
+            # width) on the same values, in whichever column they sit: bitwise equal
+            assert torch.equal(row, picked[0])
         assert torch.equal(out[~mask], torch.zeros(int((~mask).sum()), dtype=out.dtype))
 
 
@@ -303,8 +393,10 @@ def test_discounted_returns_match_loop(shape, holes):
     mask = random_mask(B, T, gen, holes)
     rewards = torch.randn(B, T, generator=gen, dtype=torch.float64)
     gamma = float(torch.rand(1, generator=gen))
-    torch.testing.assert_close(discounted_returns(rewards, mask, gamma),
-                               naive_discounted(rewards, mask, gamma))
+    # two float64 recursions: GAE's bound with V = 0, λ = 1 (_gae_error)
+    e_ret, _ = _gae_error(rewards, torch.zeros_like(rewards), mask, gamma, 1.0)
+    assert_within(discounted_returns(rewards, mask, gamma), naive_discounted(rewards, mask, gamma),
+                  2 * U64, e_ret)
 
 
 # --- token-level rewards and REINFORCE++ -----------------------------------------------------
@@ -321,7 +413,8 @@ def test_token_level_rewards_match_loop(shape, seed):
     kl[~mask] = float("inf")
     scores = torch.randn(B, generator=gen, dtype=torch.float64) * 5
     got = token_level_rewards(scores, kl, mask, kl_coef=0.3)
-    torch.testing.assert_close(got, naive_token_rewards(scores, kl, mask, 0.3))
+    # float64 both, the same two roundings (−k·KL, then + score on the last token): bitwise
+    assert torch.equal(got, naive_token_rewards(scores, kl, mask, 0.3))
     empty = ~mask.any(dim=1)
     assert torch.equal(got[empty], torch.zeros_like(got[empty]))
 
