@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from bounds import assert_within, moment_errors, unit_roundoff
 from posttrain.core.masked import (
     masked_count,
     masked_mean,
@@ -42,10 +43,55 @@ def _naive_var(vals, unbiased):
     return sum((v - mean) ** 2 for v in vals) / denom
 
 
-def _tol(dtype):
-    if dtype == torch.float32:
-        return {"rtol": 1e-5, "atol": 1e-5}
-    return {"rtol": 1e-12, "atol": 1e-12}
+# Error bounds derived from each reduction's arithmetic (tests/bounds.py), for the function in
+# ``dtype`` against the float64 loop: the same arithmetic at both unit roundoffs, summed. Sums
+# are bounded in any order ((k − 1)·u·Σ|x| over the k kept values; the zeros that stand for
+# masked entries add exactly). The kept values are O(1)..10 and at most 24: the float32
+# bounds are ≤ 5e-5 for sums, means and variances, so a 1% error (or one entry lost or let
+# in) is far beyond them; the whitened values' are ≤ 2e-3, where one kept value meets
+# r = eps^-½ = 1e4 (its mean's rounding bound times r), still 15 times below 1% of it.
+
+
+def _stat_bounds(vals, dtype):
+    """The error of masked_sum, masked_mean, masked_var (unbiased, population) over ``vals``
+    computed in ``dtype``, plus the float64 loop's: the sum's (k − 1)·u·Σ|x|; the mean's, the
+    centring's and Σc²'s (bounds.moment_errors); the variance Σc²'s error over the divisor
+    and the division's u·var."""
+    x = torch.tensor(vals, dtype=torch.float64)
+    k = len(vals)
+    out = dict.fromkeys(("sum", "mean", "var", "var_pop"), 0.0)
+    if k == 0:
+        return out
+    for dt in (dtype, torch.float64):
+        u = unit_roundoff(dt)
+        out["sum"] += (k - 1) * u * float(x.abs().sum())
+        _, _, e_mean, _, sumsq, e_sumsq = moment_errors(x, dt)
+        out["mean"] += e_mean
+        for key, denom in (("var", k - 1), ("var_pop", k)):
+            if denom > 0:
+                out[key] += e_sumsq / denom + u * sumsq / denom
+    return out
+
+
+def _whiten_bound(vals, dtype, shift_mean, eps):
+    """Per kept value, masked_whiten's error in ``dtype`` plus the float64 loop's: the centred
+    value's (bounds.moment_errors) times r = (var + eps)^-½; r's relative error, half that of
+    var + eps (Σc²'s over k, u·var and the sum's u) plus 2u (sqrt and reciprocal), times
+    |c·r|; the product's u·|c·r|; without shift the mean's error and the sum's u·|w|."""
+    x = torch.tensor(vals, dtype=torch.float64)
+    k = len(vals)
+    total = torch.zeros(k, dtype=torch.float64)
+    for dt in (dtype, torch.float64):
+        u = unit_roundoff(dt)
+        mean, c, e_mean, e_c, sumsq, e_sumsq = moment_errors(x, dt)
+        var = sumsq / k
+        r = 1 / math.sqrt(var + eps)
+        rel_r = (e_sumsq / k + u * var + u * (var + eps)) / (2 * (var + eps)) + 2 * u
+        w = c * r
+        total += e_c * r + w.abs() * (rel_r + u)
+        if not shift_mean:
+            total += e_mean + u * (w + mean).abs()
+    return total
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -57,11 +103,11 @@ def test_sum_count_mean_over_everything(shape, dtype):
         vals = _kept(x, mask)
         s = masked_sum(x, mask)
         assert s.dtype == dtype
-        assert math.isclose(float(s), sum(vals), rel_tol=_tol(dtype)["rtol"], abs_tol=1e-5)
+        bound = _stat_bounds(vals, dtype)
+        assert abs(float(s) - sum(vals)) <= bound["sum"]
         assert float(masked_count(mask)) == len(vals)
         expect_mean = sum(vals) / len(vals) if vals else 0.0
-        assert math.isclose(float(masked_mean(x, mask)), expect_mean,
-                            rel_tol=_tol(dtype)["rtol"], abs_tol=1e-5)
+        assert abs(float(masked_mean(x, mask)) - expect_mean) <= bound["mean"]
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -74,15 +120,19 @@ def test_sum_count_mean_along_dim(shape, dim):
     expect_sum = torch.zeros(rest, dtype=torch.float64)
     expect_cnt = torch.zeros(rest)
     expect_mean = torch.zeros(rest, dtype=torch.float64)
+    bound_sum = torch.zeros(rest, dtype=torch.float64)
+    bound_mean = torch.zeros(rest, dtype=torch.float64)
     for idx in torch.cartesian_prod(*[torch.arange(n) for n in rest]).reshape(-1, len(rest)):
         idx = tuple(idx.tolist())
         vals = [float(xs[(k, *idx)]) for k in range(xs.shape[0]) if ms[(k, *idx)]]
         expect_sum[idx] = sum(vals)
         expect_cnt[idx] = len(vals)
         expect_mean[idx] = sum(vals) / len(vals) if vals else 0.0
-    torch.testing.assert_close(masked_sum(x, mask, dim), expect_sum)
-    torch.testing.assert_close(masked_count(mask, dim), expect_cnt)
-    torch.testing.assert_close(masked_mean(x, mask, dim), expect_mean)
+        bound = _stat_bounds(vals, torch.float64)
+        bound_sum[idx], bound_mean[idx] = bound["sum"], bound["mean"]
+    assert_within(masked_sum(x, mask, dim), expect_sum, 1.0, bound_sum, "sum")
+    assert torch.equal(masked_count(mask, dim), expect_cnt)  # integers: exact
+    assert_within(masked_mean(x, mask, dim), expect_mean, 1.0, bound_mean, "mean")
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -92,9 +142,11 @@ def test_var_matches_textbook(shape, dtype, unbiased):
     """masked_var is Σ(x-mean)²/(n-1) (or /n) over the kept entries; too few entries give 0."""
     for seed in range(3):
         x, mask = _data(shape, 100 + seed, dtype)
-        expect = _naive_var(_kept(x, mask), unbiased)
+        vals = _kept(x, mask)
+        expect = _naive_var(vals, unbiased)
         got = masked_var(x, mask, unbiased=unbiased)
-        assert math.isclose(float(got), expect, rel_tol=_tol(dtype)["rtol"], abs_tol=1e-5)
+        bound = _stat_bounds(vals, dtype)["var" if unbiased else "var_pop"]
+        assert abs(float(got) - expect) <= bound, (float(got), expect, bound)
 
 
 def test_var_with_one_or_two_entries():
@@ -104,8 +156,9 @@ def test_var_with_one_or_two_entries():
     two = torch.tensor([[True, True, False]])
     assert float(masked_var(x, one, unbiased=True)) == 0.0
     assert float(masked_var(x, one, unbiased=False)) == 0.0
-    assert float(masked_var(x, two, unbiased=True)) == pytest.approx(2.0)  # (1 + 1) / 1
-    assert float(masked_var(x, two, unbiased=False)) == pytest.approx(1.0)  # (1 + 1) / 2
+    # mean 4, squares 1: every step exact in float32
+    assert float(masked_var(x, two, unbiased=True)) == 2.0  # (1 + 1) / 1
+    assert float(masked_var(x, two, unbiased=False)) == 1.0  # (1 + 1) / 2
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -126,8 +179,10 @@ def test_whiten_matches_textbook(shape, dtype, shift_mean):
         expect = torch.tensor(flat, dtype=torch.float64).view(shape)
         got = masked_whiten(x, mask, shift_mean=shift_mean, eps=eps)
         assert got.dtype == dtype
-        tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {}
-        torch.testing.assert_close(got.double(), expect, **tol)
+        bound = torch.zeros(shape, dtype=torch.float64)
+        if vals:
+            bound[mask] = _whiten_bound(vals, dtype, shift_mean, eps)
+        assert_within(got, expect, 1.0, bound, f"shift_mean={shift_mean}")
 
 
 def test_whiten_gives_unit_variance():
@@ -135,6 +190,9 @@ def test_whiten_gives_unit_variance():
     x, mask = _data((4, 9), 7)
     w = masked_whiten(x, mask)
     vals = _kept(w, mask)
+    # float64 over ≤ 36 values: the rounding is ≲ 36·u64·max|x|/std ~ 1e-14 for the mean and
+    # relative for the variance, which eps/var (~1e-9) moves too; an unwhitened or wrongly
+    # centred batch is O(1) off
     assert sum(vals) / len(vals) == pytest.approx(0.0, abs=1e-12)
     assert _naive_var(vals, unbiased=False) == pytest.approx(1.0, rel=1e-6)
 
@@ -243,4 +301,5 @@ def test_masked_mean_gradient_is_mask_over_count():
     masked_mean(x, mask).backward()
     n = int(mask.sum())
     expect = torch.where(mask, torch.full_like(x, 1.0 / n), torch.zeros_like(x))
-    torch.testing.assert_close(x.grad, expect)
+    # the backward divides the upstream 1 by the count, one rounding, as 1.0 / n: bitwise
+    assert torch.equal(x.grad, expect)
