@@ -14,8 +14,12 @@ reward model's mean score before and after PPO, the mean per-sequence KL to the 
 ``--rollout_backend vllm`` samples the PPO stage through vLLM (run it in the vLLM
 environment, docs/engines.md); the default is the lean engine.
 
+``--sft DIR`` starts from that SFT model instead of training one (benchmarks/rm_robustness.py
+reuses one SFT per seed); ``--sparse_embedding_grad`` is passed to the reward model and PPO.
+The figures also go to ``OUT/result.json``.
+
 Usage (from the repository root): python benchmarks/rlhf_pipeline.py [--out DIR] [--seed N]
-       [--rollout_backend auto|lean|hf|vllm]
+       [--rollout_backend auto|lean|hf|vllm] [--sft DIR] [--sparse_embedding_grad true|false]
 """
 
 from __future__ import annotations
@@ -36,28 +40,34 @@ def main() -> int:
     p.add_argument("--out", default="runs/bench-rlhf")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rollout_backend", default="auto")
+    p.add_argument("--sft", default=None, help="an SFT model to start from (skips stage 1)")
+    p.add_argument("--sparse_embedding_grad", default="true")
     args = p.parse_args()
     out = Path(args.out)
     seed = f"--seed={args.seed}"
     again = "--overwrite=true"  # a rerun into the same --out replaces the earlier one
+    rows_mode = f"--sparse_embedding_grad={args.sparse_embedding_grad}"
     times = {}
 
-    t0 = time.perf_counter()
-    run_sft(config.load(SFTConfig, None, [f"--output_dir={out}/sft", seed, again,
-                                           "--tensorboard=false"]))
-    times["sft"] = time.perf_counter() - t0
+    sft = args.sft or f"{out}/sft/final"
+    if args.sft is None:
+        t0 = time.perf_counter()
+        run_sft(config.load(SFTConfig, None, [f"--output_dir={out}/sft", seed, again,
+                                               "--tensorboard=false"]))
+        times["sft"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     rm = run_rm(config.load(RMConfig, "configs/builtin/rm.yaml",
-                            [f"--model={out}/sft/final", f"--output_dir={out}/rm", seed, again,
-                             "--tensorboard=false"]))
+                            [f"--model={sft}", f"--output_dir={out}/rm", seed, again,
+                             "--tensorboard=false", rows_mode]))
     times["rm"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     run_rl(config.load(PPOConfig, "configs/builtin/ppo.yaml",
-                       [f"--model={out}/sft/final", f"--reward=rm:{out}/rm/final",
+                       [f"--model={sft}", f"--reward=rm:{out}/rm/final",
                         f"--output_dir={out}/ppo", seed, again, "--tensorboard=false",
-                        "--log_every=1", f"--rollout_backend={args.rollout_backend}"]))
+                        "--log_every=1", f"--rollout_backend={args.rollout_backend}",
+                        rows_mode]))
     times["ppo"] = time.perf_counter() - t0
 
     rows = [json.loads(x) for x in (out / "ppo" / "metrics.jsonl").read_text().splitlines()]
@@ -74,6 +84,7 @@ def main() -> int:
         "stage_seconds": {k: round(v, 1) for k, v in times.items()},
     }
     print(json.dumps(result, indent=2))
+    (out / "result.json").write_text(json.dumps(result))
     print(f"| accuracy {100 * result['accuracy_before']:.1f}% -> "
           f"{100 * result['accuracy_after']:.1f}% | RM score {result['rm_score_before']:.2f} -> "
           f"{result['rm_score_after']:.2f} | KL/seq max {result['kl_seq_max']:.2f}, last "
