@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from bounds import assert_within, entropy_error, logsoftmax_error, unit_roundoff
 from posttrain.core.logprobs import head_token_logprobs
 
-U = 2.0 ** -24  # float32 unit roundoff
 
 
 def _reference(h, w, b, labels, scale, divide, softcap, temperature):
@@ -38,6 +38,56 @@ def _inputs(N=13, H=16, V=37, spread=1.0, bias=True, seed=0):
     return h, w, b, labels
 
 
+def _bounds(h, w, b, labels, upstream, transform=None, known=False, dtype=torch.float32):
+    """Element by element, the error of the head's log-probs, entropies and gradients (h, W, b)
+    computed in ``dtype`` (first order; magnitudes from the float64 formula). Logits: a dot of
+    length H plus the bias, ``H·u·A`` with ``A = |h||W|ᵀ + |b|`` the terms' size; the
+    transforms (× scale, ÷ divide, ÷ c, tanh within an ulp, × c, ÷ T) round 7 times on values
+    ≤ A·s (s = scale/divide; the softcap only shrinks them) and scale the error by s/T:
+    ``e_z = (H + 7)·u·A·s/T``. Log-prob: z_y − lse moves by ≤ 2·max e_z over the row, plus
+    the log-softmax's own rounding (bounds.logsoftmax_error, L); entropy: Σ p|log p + H| ≤
+    2 log V times e_z, plus bounds.entropy_error. Backward: p = exp(z − lse) relative
+    2·e_z + 2L + 2u (+ (V + 1)·u renormalised with ``known``); ∂ℓ/∂z = g·(1[v=y] − p) that
+    times p plus 2u of it; × (1 − tanh²) (its error 2·e_z·T/c + 3u) × s/T (3u); then the
+    matmuls of length V (∂h), N (∂W over the chunks) and N (∂b): the propagated errors
+    through |W| or |h| and the reductions' length·u of the terms."""
+    t = {"scale": 1.0, "divide": 1.0, "softcap": 0.0, "temperature": 1.0, **(transform or {})}
+    u = unit_roundoff(dtype)
+    N, H = h.shape
+    V = w.shape[0]
+    h64, w64 = h.detach().double(), w.detach().double()
+    b64 = torch.zeros(V, dtype=torch.float64) if b is None else b.detach().double()
+    s, T, c = t["scale"] / t["divide"], t["temperature"], t["softcap"]
+    A = h64.abs() @ w64.abs().T + b64.abs()
+    l = (h64 @ w64.T + b64) * s
+    z = (c * torch.tanh(l / c) if c else l) / T
+    e_z = ((H + 7) * u * A * s / T).amax(-1)  # per row
+    L = logsoftmax_error(z, dtype)
+    lp = 2 * e_z + L
+    ent = 2 * math.log(V) * e_z + entropy_error(z, dtype)
+    p = z.softmax(-1)
+    onehot = torch.nn.functional.one_hot(labels, V).double()
+    up = upstream.detach().double().abs()[:, None]
+    rel_p = (2 * e_z + 2 * L + 2 * u)[:, None] + ((V + 1) * u if known else 0.0)
+    g_z = up * (onehot - p).abs()
+    e_gz = up * p * rel_p + 2 * u * g_z
+    cap = 1 - torch.tanh(l / c).square() if c else torch.ones_like(z)
+    e_cap = (2 * e_z * T / c + 3 * u)[:, None] if c else torch.zeros(N, 1, dtype=torch.float64)
+    g_l = g_z * cap * s / T
+    e_gl = (e_gz * cap + g_z * (e_cap + 3 * u)) * s / T
+    e_h = e_gl @ w64.abs() + V * u * (g_l @ w64.abs())
+    e_w = e_gl.T @ h64.abs() + N * u * (g_l.T @ h64.abs())
+    e_b = e_gl.sum(0) + N * u * g_l.sum(0)
+    return lp, ent, [e_h, e_w, e_b]
+
+
+def _vs_ref(*args, **kwargs):
+    """The float32 path against the float64 formula: the sum of both computations' bounds."""
+    (lp, ent, grads), (lp64, ent64, grads64) = (_bounds(*args, **kwargs),
+                                                _bounds(*args, **kwargs, dtype=torch.float64))
+    return lp + lp64, ent + ent64, [g + g64 for g, g64 in zip(grads, grads64, strict=True)]
+
+
 TRANSFORMS = [dict(), dict(temperature=0.7), dict(softcap=5.0), dict(scale=0.5, divide=2.0),
               dict(softcap=30.0, temperature=1.3, scale=2.0)]
 
@@ -59,17 +109,15 @@ def test_values_and_gradients_match_the_float64_formula(transform, chunk_rows, s
                                  transform.get("divide", 1.0), transform.get("softcap", 0.0),
                                  transform.get("temperature", 1.0))
     (ref_lp * upstream.double()).sum().backward()
-    # float32 reductions of length H (the head) and V (the log-sum-exp), error growing like
-    # √n·u per reduction, times the size of the logits they act on
-    logit_size = float(ref_lp.detach().abs().max()) + spread * 10 + 1
-    bound = 8 * (math.sqrt(16) + math.sqrt(37)) * U * logit_size
+    # element by element within the derived bounds (_bounds, float32 + float64): at most
+    # ~1e-3 of log-probs of O(1-100) nats and gradients of O(1-10); a wrong row, label or
+    # chunk is O(1) off
+    b_lp, b_ent, b_grads = _vs_ref(h, w, b, labels, upstream, transform)
     assert torch.isfinite(lp).all() and torch.isfinite(ent).all()
-    assert (lp.double() - ref_lp.detach()).abs().max() <= bound
-    assert (ent.double() - ref_ent.detach()).abs().max() <= bound
-    for got, ref in zip(grads, ref_args, strict=True):
-        want = ref.grad
-        scale = float(want.abs().max()) + 1e-30
-        assert float((got.double() - want).abs().max()) <= bound * max(scale, 1.0), got.shape
+    assert_within(lp, ref_lp.detach(), 1.0, b_lp, "log-probs")
+    assert_within(ent, ref_ent.detach(), 1.0, b_ent, "entropies")
+    for got, ref, bound, name in zip(grads, ref_args, b_grads, "hWb", strict=True):
+        assert_within(got, ref.grad, 1.0, bound, f"grad {name}")
 
 
 @pytest.mark.parametrize("transform", TRANSFORMS)
@@ -99,13 +147,14 @@ def test_with_the_samplers_statistics_the_values_shift_by_their_error_and_no_gra
     upstream = torch.randn(lp.shape, generator=torch.Generator().manual_seed(1))
     (lp * upstream).sum().backward()
     (ref_lp * upstream.double()).sum().backward()
-    logit_size = float(ref_lp.detach().abs().max()) + spread * 10 + 1
-    bound = 8 * (math.sqrt(16) + math.sqrt(37)) * U * logit_size
-    assert (lp.double() - (ref_lp.detach() - off)).abs().max() <= bound
+    # the derived bounds (_bounds): the label's logit rounds as in the full forward, and the
+    # given lse once more to float32 (within L); the backward renormalises (known=True)
+    b_lp, _, b_grads = _vs_ref(h, w, b, labels, upstream, transform, known=True)
+    assert_within(lp, ref_lp.detach() - off, 1.0, b_lp, "log-probs")
     assert torch.equal(ent, sampled[1])
-    for got, ref in zip((h.grad, w.grad, b.grad), ref_args, strict=True):
-        scale = float(ref.grad.abs().max()) + 1e-30
-        assert float((got.double() - ref.grad).abs().max()) <= bound * max(scale, 1.0)
+    for got, ref, bound, name in zip((h.grad, w.grad, b.grad), ref_args, b_grads, "hWb",
+                                     strict=True):
+        assert_within(got, ref.grad, 1.0, bound, f"grad {name}")
 
 
 def test_it_equals_the_unfused_path_without_bias_and_with_a_frozen_head():
@@ -119,8 +168,10 @@ def test_it_equals_the_unfused_path_without_bias_and_with_a_frozen_head():
     h2 = h.clone().requires_grad_(True)
     ref = token_logprobs(h2 @ w.T, labels)
     ref.sum().backward()
-    torch.testing.assert_close(lp, ref, rtol=0, atol=64 * U * 10)
-    torch.testing.assert_close(h1.grad, h2.grad, rtol=0, atol=64 * U * 10)
+    # two float32 paths, each within the derived bound (_bounds): twice it
+    b_lp, _, (b_h, _, _) = _bounds(h, w, None, labels, torch.ones(len(labels)))
+    assert_within(lp, ref, 2.0, b_lp, "log-probs")
+    assert_within(h1.grad, h2.grad, 2.0, b_h, "grad h")
 
 
 def test_extreme_logits_stay_finite():
