@@ -15,7 +15,6 @@ from bounds import assert_within, entropy_error, logsoftmax_error, unit_roundoff
 from posttrain.core.logprobs import head_token_logprobs
 
 
-
 def _reference(h, w, b, labels, scale, divide, softcap, temperature):
     """float64, from the formula: l = h Wᵀ + b; z = T(l); log softmax(z)[y]; entropy."""
     h, w = h.double(), w.double()
