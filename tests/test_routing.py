@@ -14,10 +14,23 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import test_families
+from bounds import entropy_error, logsoftmax_error, unit_roundoff
 from posttrain.models.routing import Routing, routers
 from posttrain.rollout import SamplingParams
 
 COMMON = test_families.COMMON
+U32, U64 = unit_roundoff(torch.float32), unit_roundoff(torch.float64)
+
+
+def _aux_rel_bound(router_logits, E: int, k: int, dtype=torch.float32) -> float:
+    """Relative error of a Switch load-balancing loss E·Σ_e f_e·P_e computed in ``dtype``
+    from these router logits, in any arrangement: every term is positive, so each step's
+    error stays relative to the result: p within L + u (bounds.logsoftmax_error of the log,
+    and the exp), a mean of p over the n logits' rows ((n − 1)·u and the division's u), f an
+    exact count over another (u), the product (u), the sum over E·k terms (E·k·u) and × E
+    (u)."""
+    z = torch.cat([x.reshape(-1, E) for x in router_logits])
+    return logsoftmax_error(z, dtype) + (len(z) + E * k + 5) * unit_roundoff(dtype)
 EXPERTS = 6  # more than the families test's 4, so routing has room to move
 FAMILIES = {  # the families test's MoE configs; Qwen2-MoE with its top-k unnormalised
     name: (cls, {**extra, "num_local_experts" if name == "mixtral" else "num_experts": EXPERTS,
@@ -133,12 +146,21 @@ def test_router_metrics_against_a_direct_count(moe):
         E = p.shape[-1]
         chosen = p.topk(k, -1).indices
         f = torch.bincount(chosen.reshape(-1), minlength=E).double() / chosen.numel()
-        assert got[f"router/load_max_over_mean_{i}"] == pytest.approx(float(f.max() * E),
-                                                                     rel=1e-6)
-        assert got[f"router/entropy_{i}"] == pytest.approx(
-            float(-(p * p.log()).sum(-1).mean()), rel=1e-5)
+        # Derived bounds, the metric in float32 (then Python floats) against float64 from
+        # the same logits. Load: exact counts, a division and × E (2u each side). Entropy:
+        # each token's within entropy_error of its logits, the float32 sum over the n tokens
+        # ((n − 1)·u of Σ H, positive) and the division; the clamp at 1e-30 drops terms of
+        # < 7e-29 each. Aux: _aux_rel_bound. A 1% error, or one token lost, is far beyond.
+        n, zr = len(p), z[real]
+        assert got[f"router/load_max_over_mean_{i}"] == pytest.approx(
+            float(f.max() * E), rel=2 * (U32 + U64))
+        ent = -(p * p.log()).sum(-1)
+        bound = (entropy_error(zr) + entropy_error(zr, torch.float64) + E * 7e-29
+                 + float(ent.mean()) * (n * U32 + n * U64))
+        assert got[f"router/entropy_{i}"] == pytest.approx(float(ent.mean()), rel=0, abs=bound)
+        rel = _aux_rel_bound([zr], E, k) + _aux_rel_bound([zr.double()], E, k, torch.float64)
         assert got[f"router/aux_loss_{i}"] == pytest.approx(
-            float(E * (f * p.mean(0)).sum()), rel=1e-5)
+            float(E * (f * p.mean(0)).sum()), rel=rel)
 
 
 def test_tokens_never_recorded_route_freely_and_are_not_counted(moe):
@@ -308,8 +330,10 @@ def test_the_auxiliary_loss_is_the_familys_own(moe):
             out = moe(input_ids=ids, attention_mask=mask, output_router_logits=True)
         got = routing.aux_loss()
     fn = sys.modules[type(moe).__module__].load_balancing_loss_func
-    want = fn(out.router_logits, len(routers(moe)[0].weight), routers(moe)[0].top_k, mask)
-    assert torch.allclose(got, want, rtol=1e-6)
+    E, k = len(routers(moe)[0].weight), routers(moe)[0].top_k
+    want = fn(out.router_logits, E, k, mask)
+    # two float32 computations of one positive loss, each within _aux_rel_bound (~1e-5)
+    assert torch.allclose(got, want, rtol=2 * _aux_rel_bound(out.router_logits, E, k), atol=0)
     got.backward()
     assert routers(moe)[0].weight.grad.abs().sum() > 0
 
@@ -506,8 +530,10 @@ def test_router_losses_are_the_familys_own_over_the_forwards_with_gradients(moe)
         out = moe(input_ids=ids, attention_mask=mask, output_router_logits=True)
         got = losses.loss()
     fn = sys.modules[type(moe).__module__].load_balancing_loss_func
-    want = fn(out.router_logits, len(routers(moe)[0].weight), routers(moe)[0].top_k, mask)
-    assert torch.allclose(got, want, rtol=1e-6)
+    E, k = len(routers(moe)[0].weight), routers(moe)[0].top_k
+    want = fn(out.router_logits, E, k, mask)
+    # two float32 computations of one positive loss, each within _aux_rel_bound (~1e-5)
+    assert torch.allclose(got, want, rtol=2 * _aux_rel_bound(out.router_logits, E, k), atol=0)
     got.backward()
     assert routers(moe)[0].weight.grad.abs().sum() > 0
     with RouterLosses(moe) as losses, torch.no_grad():
