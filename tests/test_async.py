@@ -342,7 +342,8 @@ def test_sigkill_after_a_checkpoint_then_resume_is_bit_identical(tmp_path, produ
 def test_a_checkpoint_of_another_schedule_is_refused(tmp_path, capsys):
     from posttrain.cli import main
 
-    cut = _run(tmp_path, "cut", "--async_staleness", "1", "--save_every", "2")
+    cut = _run(tmp_path, "cut", "--async_staleness", "1", "--save_every", "2", "--max_steps",
+               "3", "--eval_every", "0")
     code = main(["grpo", "--model", "builtin", "--output_dir", str(cut), "--max_steps", "4",
                  "--prompts_per_step", "4", "--group_size", "4", "--builtin_train_size", "64",
                  "--builtin_eval_size", "8", "--eval_every", "2", "--log_every", "1",

@@ -279,10 +279,10 @@ def test_learning_rate_schedule_over_rl_steps(tiny_model_dir, tmp_path, rl_files
     assert lrs == pytest.approx([5e-4, 1e-3, 1e-3, 5e-4])
 
 
-def test_compile_option(tiny_model_dir, tmp_path, monkeypatch):
+@pytest.mark.slow
+def test_compile_option(tiny_model_dir, tmp_path):
     """compile=true compiles the policy's and the reference's pointwise blocks and the loop
-    runs; where no kernels can be built it is a config error that says why."""
-    from posttrain.fast import compile as base
+    runs (heavy tier: a machine's first compile takes a minute)."""
     from posttrain.fast.compile import compile_unsupported
 
     if compile_unsupported(torch.device("cpu")):
@@ -295,6 +295,12 @@ def test_compile_option(tiny_model_dir, tmp_path, monkeypatch):
     trainer.train()
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "train/loss" in r] == [1, 2]
+
+
+def test_compile_where_no_kernels_can_be_built_is_a_config_error(tiny_model_dir, tmp_path,
+                                                                 monkeypatch):
+    from posttrain.fast import compile as base
+
     monkeypatch.setattr(base, "compile_unsupported", lambda device: "no C++ compiler on PATH")
     with pytest.raises(ConfigError, match="compile=true: no C\\+\\+ compiler"):
         RLTrainer(_cfg(tiny_model_dir, tmp_path / "run2", "grpo", compile=True))
