@@ -112,7 +112,7 @@ def test_dashes_map_to_underscores():
     (DPOConfig, ["--beta", "0"], "beta"),
     (DPOConfig, ["--label_smoothing", "0.5"], "label_smoothing"),
     (RMConfig, ["--center_coef", "-0.1"], "center_coef"),
-    (RMConfig, ["--head_init", "zero"], "head_init"),
+    (RMConfig, ["--head_init", "fan_in"], "head_init"),
 ])
 def test_bad_values(cls, args, what):
     with pytest.raises(ConfigError, match=what):

@@ -63,17 +63,17 @@ class RMConfig(OfflineConfig):
     epochs: float = 6.0
     center_coef: float = 0.0
     """Weight c of the centring term c·(r_c + r_r)² (0 = off)."""
-    head_init: str = "fan_in"
-    """A fresh scalar head (a causal LM's): fan_in draws it N(0, 1/hidden_size), so the
-    score starts at unit scale; transformers keeps transformers' N(0, 0.02²), under which
-    the built-in recipe sat at ln 2 for hundreds of steps and ended at 0.74 or 1.00 with
-    the CPU's rounding (docs/benchmarks.md)."""
+    head_init: str = "unit_scores"
+    """A fresh scalar head (a causal LM's): unit_scores draws it so that its scores of the
+    first batch_size training pairs have standard deviation 1; transformers keeps
+    transformers' N(0, 0.02²), under which the built-in recipe sat at ln 2 for hundreds of
+    steps and ended at 0.74 or 1.00 with the CPU's rounding (docs/benchmarks.md)."""
 
     def validate(self) -> None:
         super().validate()
         check(self.center_coef >= 0, "center_coef must be ≥ 0")
-        check(self.head_init in ("fan_in", "transformers"),
-              "head_init must be fan_in or transformers")
+        check(self.head_init in ("unit_scores", "transformers"),
+              "head_init must be unit_scores or transformers")
 
 
 @dataclass

@@ -275,46 +275,59 @@ def load_causal_lm(name: str, dtype: str = "float32", device: str = "auto",
 
 def load_reward_model(name: str, tokenizer: PreTrainedTokenizerBase, dtype: str = "float32",
                       device: str = "auto", trust_remote_code: bool = False,
-                      fan_in_head: bool = False) -> PreTrainedModel:
+                      head_batch: tuple[torch.Tensor, torch.Tensor] | None = None
+                      ) -> PreTrainedModel:
     """A sequence-classification model with one output: a ``*ForSequenceClassification``
     checkpoint as it is, or a causal-LM checkpoint whose backbone gets a fresh scalar head;
     an adapter directory on either (a LoRA reward model's saves its head).
 
-    ``fan_in_head``: draw a fresh head from torch's global generator as
-    :func:`init_fan_in_head` says instead of keeping transformers' draw (a checkpoint's own
-    head is never touched)."""
+    ``head_batch``: ``(input_ids, attention_mask)`` on which a fresh head is drawn to give
+    unit-scale scores (:func:`init_unit_score_head`) instead of keeping transformers' draw;
+    a checkpoint's own head is never touched."""
     if is_adapter(name):
         return _merged_adapter(name, lambda base: load_reward_model(
-            base, tokenizer, dtype, device, trust_remote_code, fan_in_head))
+            base, tokenizer, dtype, device, trust_remote_code, head_batch))
     path = resolve(name)
     auto = AutoModelForSequenceClassification
     model, info = _loaded("reward model", path, lambda: auto.from_pretrained(
         path, num_labels=1, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code,
         output_loading_info=True))
-    head = getattr(model, "score", None)
-    if fan_in_head and isinstance(head, torch.nn.Linear) and (
-            {f"score.{k}" for k, _ in head.named_parameters()} & set(info["missing_keys"])):
-        init_fan_in_head(head)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
-    return model.to(pick_device(device))
+    model = model.to(pick_device(device))
+    head = getattr(model, "score", None)
+    if head_batch is not None and isinstance(head, torch.nn.Linear) and (
+            {f"score.{k}" for k, _ in head.named_parameters()} & set(info["missing_keys"])):
+        init_unit_score_head(model, *head_batch)
+    return model
 
 
 @torch.no_grad()
-def init_fan_in_head(head: torch.nn.Linear) -> None:
-    """A fresh scalar head ``w`` drawn N(0, 1/H) (H its input width; bias 0), so that on a
-    final-normed hidden state (root-mean-square about its norm's gain) the score starts at
-    unit scale whatever the width.
+def init_unit_score_head(model: PreTrainedModel, input_ids: torch.Tensor,
+                         attention_mask: torch.Tensor) -> None:
+    """Draw the scalar head ``w`` from torch's global generator (N(0, 1), bias 0), then scale
+    it so that its scores of the ``(N, T)`` sequences given have standard deviation 1: a
+    unit-variance start measured on the data (LSUV, Mishkin & Matas 2016), whatever the
+    width and however alike the pooled states are.
 
-    transformers draws it N(0, initializer_range²), 0.02 whatever the width. Under AdamW
-    every backbone weight moves about lr per step however small ``w`` is, so the score moves
-    in proportion to |w|: on a model whose pooled (eos) states of a pair start nearly equal
-    (the built-in model: cosine 0.9996, scores 0.004 apart) a 0.02 head left the Bradley–Terry
-    loss at ln 2 for hundreds of steps, and where it left was decided by float rounding
-    (docs/benchmarks.md, "Reward-model robustness")."""
-    head.weight.normal_(0.0, head.in_features ** -0.5)
+    transformers draws it N(0, 0.02²) whatever the states. Under AdamW every backbone weight
+    moves about lr per step however small ``w`` is, so the score moves in proportion to
+    |w|. The built-in model's pooled (eos) states are nearly one vector (a pair's chosen and
+    rejected at cosine 0.9996; a 0.02 head scores them 0.004 apart and all sequences within
+    0.012): the Bradley–Terry loss sat at ln 2 for hundreds of steps, and where it left was
+    decided by float rounding (docs/benchmarks.md, "Reward-model robustness")."""
+    from posttrain.models.logprobs import sequence_scores
+
+    head = model.score
+    head.weight.normal_(0.0, 1.0)
     if head.bias is not None:
         head.bias.zero_()
+    was_training = model.training
+    model.eval()
+    device = head.weight.device
+    scores = sequence_scores(model, input_ids.to(device), attention_mask.to(device))
+    model.train(was_training)
+    head.weight.div_(scores.std().clamp_min(torch.finfo(scores.dtype).tiny))
 
 
 def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: str | Path,

@@ -364,10 +364,12 @@ def run_rm(cfg: RMConfig) -> dict[str, float]:
     tokenizer, train_ex, eval_ex, resume = _start(cfg, "preference")
     loop.seed_everything(cfg.seed)  # a fresh scalar head is drawn from torch's global generator
     dtype = sharding.load_dtype(cfg, pick_device(cfg.device))
+    first = _pair_batch(train_ex[:cfg.batch_size], tokenizer.pad_token_id)
+    head_batch = ((first["input_ids"], first["attention_mask"])
+                  if cfg.head_init == "unit_scores" else None)
     model = fast.prepare_model(trained.load_trained(
         cfg, resume, lambda name: load_reward_model(name, tokenizer, dtype, cfg.device,
-                                                    cfg.trust_remote_code,
-                                                    fan_in_head=cfg.head_init == "fan_in"),
+                                                    cfg.trust_remote_code, head_batch),
         heads=("score",)), cfg.fast)
     compile_models(cfg, [model], model.device)
     return RewardTrainer(cfg, trained.shard_trained(cfg, model), tokenizer, train_ex,
