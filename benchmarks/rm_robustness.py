@@ -15,11 +15,11 @@ than the dense one. A recipe whose outcome moves with them is decided by roundin
   held-out greedy accuracy (target ≥ +30 points).
 
 Each cell runs in a subprocess with ``ATEN_CPU_CAPABILITY`` set; ``--head_init transformers``
-runs the recipe with the fresh head drawn as before the fix (N(0, 0.02²)).
+runs the recipe with the fresh head drawn as before the fix (transformers' N(0, 0.02²)).
 
 Usage (from the repository root):
     python benchmarks/rm_robustness.py [--kernels default avx2 avx512] [--modes true false]
-        [--seeds 0 1 2] [--pipeline all|none|KERNEL:MODE:SEED ...] [--head_init fan_in]
+        [--seeds 0 1 2] [--pipeline all|none|KERNEL:MODE:SEED ...] [--head_init unit_scores]
         [--out DIR]
 Prints one markdown table per stage.
 """
@@ -90,7 +90,7 @@ def main() -> int:
     p.add_argument("--pipeline", nargs="+", default=["all"],
                    help="all, none, or cells KERNEL:MODE:SEED")
     p.add_argument("--skip_rm", action="store_true", help="pipeline cells only")
-    p.add_argument("--head_init", default="fan_in", choices=["fan_in", "transformers"])
+    p.add_argument("--head_init", default="unit_scores", choices=["unit_scores", "transformers"])
     p.add_argument("--out", default="runs/bench-rm-robustness")
     args = p.parse_args()
     out = Path(args.out).resolve()
