@@ -232,6 +232,21 @@ def test_fresh_reward_head_starts_at_unit_scale(tiny_model_dir, tok, tmp_path):
     assert torch.equal(again.score.weight, plain.score.weight)
 
 
+def test_a_fresh_head_on_alike_sequences_falls_back_to_the_fan_in_draw(tiny_model_dir, tok):
+    """Scores with no spread to measure (one sequence, or the same one twice) leave the
+    N(0, 1) draw scaled by 1/√H, finite, rather than divided by a zero spread: |w|² is then
+    a χ²_H/H (mean 1, sd √(2/H) = 0.25 at H = 32), where a division by a spread of float
+    noise would give an |w|² of 1e6 or more."""
+    _, _, batch = random_batch(7, [(3, 4)])
+    ids, mask = batch["input_ids"].repeat(2, 1), batch["attention_mask"].repeat(2, 1)
+    for n in (1, 2):
+        torch.manual_seed(0)
+        rm = load_reward_model(tiny_model_dir, tok, device="cpu",
+                               head_batch=(ids[:n], mask[:n]))
+        w2 = float(rm.score.weight.double().pow(2).sum())
+        assert torch.isfinite(rm.score.weight).all() and 0.25 < w2 < 4, w2
+
+
 def test_reward_model_save_reload(rm, tok, tmp_path):
     save_model(rm, tok, tmp_path / "rm")
     assert (tmp_path / "rm" / "model.safetensors").exists()

@@ -327,7 +327,11 @@ def init_unit_score_head(model: PreTrainedModel, input_ids: torch.Tensor,
     device = head.weight.device
     scores = sequence_scores(model, input_ids.to(device), attention_mask.to(device))
     model.train(was_training)
-    head.weight.div_(scores.std().clamp_min(torch.finfo(scores.dtype).tiny))
+    spread = scores.float().std()  # (NaN for a single sequence)
+    if bool(torch.isfinite(spread)) and float(spread) > 1e-6:
+        head.weight.div_(spread.to(head.weight.dtype))
+    else:  # states alike to float precision (or one sequence): N(0, 1/H), unit scale per |h|
+        head.weight.mul_(head.in_features ** -0.5)
 
 
 def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: str | Path,

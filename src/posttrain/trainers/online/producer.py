@@ -254,6 +254,11 @@ class Producer:
         if self.thread is not None:
             self.thread.join(CLOSE_WAIT_S)
 
+    def stuck(self) -> bool:
+        """Whether the thread is still on a task after :meth:`close` (then its engine must not
+        be closed under it)."""
+        return self.thread is not None and self.thread.is_alive()
+
     # --- checkpoints ----------------------------------------------------------------------
     def state(self) -> tuple[dict, dict[str, torch.Tensor]]:
         """The made batches and the next one's number (call between :meth:`pause` and

@@ -88,7 +88,8 @@ def _serve(conn, cfg, extras, version: int, threads: int, flag) -> None:
                 conn.send(("ok", None))
             elif kind == "close":
                 producer.close()
-                engine.close()
+                if not producer.stuck():  # (else the process's exit reclaims the engine)
+                    engine.close()
                 conn.send(("ok", None))
                 return
         except BaseException as e:
@@ -154,6 +155,10 @@ class RemoteProducer:
                 own=None) -> None:
         self.conn.send(("restore", made, order, generator, version))
         self._reply()
+
+    def stuck(self) -> bool:
+        """Never after :meth:`close`: a process that did not exit was killed."""
+        return False
 
     def close(self) -> None:
         """Stop the process: it closes its producer (waiting up to ``CLOSE_WAIT_S`` for the

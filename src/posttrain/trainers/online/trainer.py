@@ -527,6 +527,8 @@ class RLTrainer(Job):
     def close(self) -> None:
         if self.producer is not None:
             self.producer.close()
+            if self.producer.stuck():
+                return  # (its daemon thread still holds the engine; the exit reclaims both)
         self.engine.close()
 
     def train(self) -> dict[str, float]:
