@@ -131,8 +131,9 @@ def test_pause_holds_the_producer_after_the_batches_of_older_versions():
         producer.pause(3)
         assert max(maker.made) >= 3 + K
         held = list(maker.made)
-        time.sleep(0.05)
-        assert maker.made == held  # held
+        with producer.cond:  # held: not on a task, and none it may start
+            assert not producer.busy and producer._pick() is None
+        assert maker.made == held
         assert sorted(producer.ready) == list(range(4, max(held) + 1))  # what state() keeps
         assert producer.next == max(held) + 1
         producer.resume()
@@ -177,8 +178,8 @@ def test_partial_rollouts_take_newer_weights_between_turns():
         def collect(self, step):
             seen = [engine.version]
             if step == 2:  # the learner publishes version 1 during this batch's first turn
-                while producer.published < 1:
-                    time.sleep(0.001)
+                with producer.cond:
+                    assert producer.cond.wait_for(lambda: producer.published >= 1, 60)
                 self.before_turn(1)
                 seen.append(engine.version)
             return Made(step, min(seen), float(max(seen)))

@@ -67,13 +67,14 @@ def test_a_step_past_its_timeout_is_an_error_and_leaves_no_thread_to_join(releas
     assert str(e.value) == ("env Blocked on row 5, turn 1: step() raised TimeoutError: did not "
                             "return within 0.3 s")
     assert _holding(release) == []
-    # the next episode gets a fresh worker
-    ok = Episode(EnvSpec(Blocked, {}, 0.3, "Blocked"), {}, 6)
+    # the next episode gets a fresh worker (a generous timeout: this call must not run out)
+    ok = Episode(EnvSpec(Blocked, {}, 60.0, "Blocked"), {}, 6)
     assert ok.reset() == "go" and ok.step("x") == (None, 1.0, True)
 
 
 def test_step_all_past_its_timeout_keeps_the_order_and_leaves_no_thread_to_join(release):
-    spec = EnvSpec(Blocked, {}, 1.0, "Blocked")
+    # (the free steps share the blocked one's 2 s: a trivial call on a started thread)
+    spec = EnvSpec(Blocked, {}, 2.0, "Blocked")
     eps = [Episode(spec, {"block": b}, i + 1) for i, b in enumerate([False, True, False])]
     for ep in eps:
         ep.reset()
@@ -81,10 +82,10 @@ def test_step_all_past_its_timeout_keeps_the_order_and_leaves_no_thread_to_join(
     assert got[0] == (None, 1.0, True) and got[2] == (None, 1.0, True)
     assert isinstance(got[1], EnvError)
     assert str(got[1]) == ("env Blocked on row 2, turn 1: step() raised TimeoutError: did not "
-                           "return within 1 s")
+                           "return within 2 s")
     assert _holding(release) == []
     # the abandoned pool is replaced: the next turn runs
-    more = [Episode(spec, {}, i) for i in (7, 8)]
+    more = [Episode(EnvSpec(Blocked, {}, 60.0, "Blocked"), {}, i) for i in (7, 8)]
     assert step_all(more, ["x", "x"], workers=4) == [(None, 1.0, True)] * 2
 
 
@@ -94,10 +95,10 @@ def test_a_tool_past_its_timeout_is_its_error_line_and_leaves_no_thread_to_join(
 
     release_event = Blocked.release
     env = ToolEnv({"prompt": "p"}, {"never": never, "add": lambda a, b: a + b}, "plain",
-                  error_reward=-0.5, timeout=0.3)
+                  error_reward=-0.5, timeout=1.0)  # (add, a trivial call, has 1 s too)
     msg, reward, done = env.step("call: never(1)\ncall: add(2, 3)")
     assert msg == {"role": "tool", "content": "error: never: TimeoutError: did not return "
-                                              "within 0.3 s\n5"}
+                                              "within 1 s\n5"}
     assert reward == -0.5 and not done
     # and inside --env_workers threads: each its own worker, each its own timeout
     spec = EnvSpec(ToolEnv, {"tools": {"never": never}, "timeout": 0.3}, 0.0, "tools")
