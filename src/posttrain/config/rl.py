@@ -10,6 +10,7 @@ from typing import ClassVar
 
 from posttrain.config import ConfigError, check
 from posttrain.config.base import RunConfig
+from posttrain.config.servers import RolloutServerFields
 from posttrain.core.algorithms import Algorithm, algorithm_names, get_algorithm
 
 ALGORITHM_KEYS = tuple(f.name for f in fields(Algorithm) if f.name not in ("name", "critic"))
@@ -18,7 +19,7 @@ command, so it is not one)."""
 
 
 @dataclass
-class RLConfig(RunConfig):
+class RLConfig(RolloutServerFields, RunConfig):
     """On-policy RL with verifiable rewards (the critic-free algorithms of the table)."""
 
     COMMAND: ClassVar[str] = "grpo"
@@ -137,7 +138,9 @@ class RLConfig(RunConfig):
     rollout_backend: str = "auto"
     """The rollout engine: hf (the model's own forward with a KV cache, any model), lean
     (posttrain.fast's decoder for plain Llama-family models), vllm (a vLLM engine in this
-    process: docs/engines.md), auto = lean where it applies and fast is on, else hf.
+    process: docs/engines.md), vllm_server (vLLM servers on their own devices:
+    rollout_servers or launch_rollout_servers), auto = lean where it applies and fast is
+    on, else hf.
     Evaluation decodes through the same engine."""
     rollout_correction: str = "auto"
     """Mismatch correction by the importance weight π_old/π_behaviour of the sampled tokens:
@@ -167,7 +170,8 @@ class RLConfig(RunConfig):
     every weight sync refreshes (vllm holds its own copy anyway); the trainer still computes
     in ``dtype``, so this is the rollout/trainer mismatch of a bfloat16 sampler."""
     vllm_kv_cache_gb: int = 1
-    """vllm on the CPU: GiB of KV cache (whole GiB: vLLM's ``VLLM_CPU_KVCACHE_SPACE``)."""
+    """vllm on the CPU (and the servers launch_rollout_servers starts there): GiB of KV cache
+    (whole GiB: vLLM's ``VLLM_CPU_KVCACHE_SPACE``)."""
     vllm_gpu_memory_utilization: float = 0.3
     """vllm on CUDA: the share of the GPU's memory the engine may take."""
     vllm_sleep: bool = True
@@ -233,15 +237,16 @@ class RLConfig(RunConfig):
         check(self.max_steps >= 1, "max_steps must be ≥ 1")
         check(self.log_samples_every >= 0 and self.log_samples >= 1,
               "log_samples_every must be ≥ 0 and log_samples ≥ 1")
-        check(self.rollout_backend in ("auto", "hf", "lean", "vllm"),
-               "rollout_backend must be auto, hf, lean or vllm")
+        check(self.rollout_backend in ("auto", "hf", "lean", "vllm", "vllm_server"),
+               "rollout_backend must be auto, hf, lean, vllm or vllm_server")
         self._check_engine()
+        self._check_servers()
         self._check_env()
         self._check_async()
         check(self.routing_replay in ("none", "r2", "r3"),
               "routing_replay must be none, r2 or r3")
         if self.routing_replay == "r3":
-            check(self.rollout_backend != "vllm", "routing_replay=r3 reads the experts the "
+            check(not self.vllm_engine, "routing_replay=r3 reads the experts the "
                   "engine chose while sampling, which the vllm engine does not return here "
                   "(vLLM 0.32 returns them only from its model runner V2, which needs "
                   "Triton, so not on CPU; posttrain does not read them yet); use "
@@ -345,7 +350,7 @@ class RLConfig(RunConfig):
 
             check(not dist.launched(), "async_producer=process runs one producer for one "
                   "process; under torchrun use async_producer thread (or auto)")
-            check(self.rollout_backend != "vllm" and not self.load_in_4bit,
+            check(not self.vllm_engine and not self.load_in_4bit,
                   "async_producer=process samples with hf or lean from a full-precision "
                   "copy; with vllm or load_in_4bit use async_producer thread (or auto)")
 
@@ -358,8 +363,12 @@ class RLConfig(RunConfig):
             return True
         from posttrain import dist
 
-        return (not dist.launched() and self.rollout_backend != "vllm"
-                and not self.load_in_4bit)
+        return not dist.launched() and not self.vllm_engine and not self.load_in_4bit
+
+    @property
+    def vllm_engine(self) -> bool:
+        """The engine is vLLM's, in this process or served (its own copy of the weights)."""
+        return self.rollout_backend in ("vllm", "vllm_server")
 
     def _check_engine(self) -> None:
         from posttrain.core.correction import CORRECTIONS
@@ -370,7 +379,11 @@ class RLConfig(RunConfig):
             self.correction().validate()
         except ValueError as e:
             raise ConfigError(f"rollout_correction: {e}") from None
-        if self.rollout_backend != "vllm":
+        if self.rollout_backend == "vllm_server":
+            self.refuse(("vllm_gpu_memory_utilization", "vllm_sleep",
+                         "vllm_tensor_parallel_size"), "rollout_backend=vllm_server (pass "
+                        "the servers' own flags in rollout_server_args)")
+        elif self.rollout_backend != "vllm":
             self.refuse(("vllm_kv_cache_gb", "vllm_gpu_memory_utilization",
                          "vllm_sleep", "vllm_tensor_parallel_size"),
                         f"rollout_backend={self.rollout_backend} (they set the vllm engine)")
@@ -391,7 +404,7 @@ class RLConfig(RunConfig):
 
         mode = self.rollout_correction
         if mode == "auto":
-            exact = (self.rollout_backend != "vllm" and not self.samples_in_own_dtype
+            exact = (not self.vllm_engine and not self.samples_in_own_dtype
                      and not self.async_staleness)
             mode = "none" if exact else "token_truncate"
         bounds = {k: v for k, v in (("low", self.rollout_correction_low),

@@ -12,7 +12,7 @@ import torch
 from posttrain.rollout.engine import RolloutEngine
 from posttrain.rollout.types import Request, Rollout, SamplingParams, concat, requests_for, select
 
-BACKENDS = ("auto", "hf", "lean", "vllm")
+BACKENDS = ("auto", "hf", "lean", "vllm", "vllm_server")
 
 
 def make_engine(backend: str, model, tokenizer, fast: bool = True,
@@ -25,6 +25,12 @@ def make_engine(backend: str, model, tokenizer, fast: bool = True,
 
     if backend not in BACKENDS:
         raise ValueError(f"unknown rollout backend {backend!r}; choose from {BACKENDS}")
+    if backend == "vllm_server":
+        from posttrain.rollout.vllm_server import ServerOptions, VLLMServerEngine
+
+        if not isinstance(options, ServerOptions):
+            raise ValueError("rollout backend vllm_server needs ServerOptions (the URLs)")
+        return VLLMServerEngine(model, tokenizer, options)
     if backend == "vllm":
         from posttrain.rollout.vllm import VLLMEngine, VLLMOptions
 

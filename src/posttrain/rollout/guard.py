@@ -88,9 +88,18 @@ class SyncGuard:
         self.scale0 = max(scale, default=0.0)
         best = min((engine_dtype, trainer_dtype), key=lambda d: UNIT_ROUNDOFF.get(d, 2.0 ** -8))
         self.floor = dtype_bound(best, best, config, self.scale0)
-        self.baseline = gap(engine.score(sequences, prompt_lens), ours)[0]
+        self.baseline = max(gap(got, ours)[0] for got in self._scores().values())
         self.tolerance = max(self.floor, 32.0 * self.baseline)
         """The bound at the start's logits; :meth:`check` scales it with the logits now."""
+
+    def _scores(self) -> dict[str, list[torch.Tensor]]:
+        """The engine's log-probs of the probe, per replica where it has several (every
+        server of a fleet: ``score_each``), else its one."""
+        each = getattr(self.engine, "score_each", None)
+        if each is not None:
+            return each(self.sequences, self.prompt_lens)
+        return {f"{self.engine.name} engine": self.engine.score(self.sequences,
+                                                                self.prompt_lens)}
 
     def expect(self, model) -> tuple[list[torch.Tensor], float]:
         """``model``'s log-probs of the probe and its largest |logit|: what :meth:`check`
@@ -106,11 +115,13 @@ class SyncGuard:
         metrics ``sync/gap_mean``, ``sync/gap_max``, ``sync/tolerance``, ``time/guard_s``."""
         t0 = time.perf_counter()
         ours, scale = expected if expected is not None else self.expect(model)
-        mean, worst = gap(self.engine.score(self.sequences, self.prompt_lens), ours)
+        gaps = {who: gap(got, ours) for who, got in self._scores().items()}
+        who = max(gaps, key=lambda k: (not gaps[k][0] <= math.inf, gaps[k][0]))
+        mean, worst = gaps[who]
         tol = self.tolerance * (1.0 + scale) / (1.0 + self.scale0)
         if not mean <= tol:
             raise SyncMismatch(
-                f"step {step}: after the weight sync the {self.engine.name} engine's "
+                f"step {step}: after the weight sync the {who}'s "
                 f"log-probs differ from the trainer's by {mean:.3g} nats per token on the "
                 f"probe (max {worst:.3g}; bound {tol:.3g}): the engine is not sampling "
                 "from the weights being trained")

@@ -22,8 +22,8 @@ def sampler_module(cfg, policy, sharded: bool):
     that one), or rollouts are asynchronous (the engine samples from an older version while
     the learner updates); with LoRA the copy's adapted layers are merged, as the stream
     sends them.
-    None for vllm: the engine holds its own copy."""
-    if cfg.rollout_backend == "vllm":
+    None for vllm and vllm_server: the engine holds its own copy."""
+    if cfg.vllm_engine:
         return None
     dtype = getattr(torch, cfg.rollout_dtype if cfg.samples_in_own_dtype else cfg.dtype)
     if not (sharded or cfg.samples_in_own_dtype or cfg.async_staleness):
@@ -45,6 +45,8 @@ def build_engine(cfg, policy, sampler, tokenizer):
                               cfg.vllm_gpu_memory_utilization, cfg.vllm_sleep,
                               cfg.vllm_tensor_parallel_size, cfg.max_length, cfg.seed)
     source = sampler if sampler is not None else policy
+    if cfg.rollout_backend == "vllm_server":
+        return server_engine(cfg, policy, tokenizer)
     try:
         return make_engine(cfg.rollout_backend, source, tokenizer, cfg.fast,
                            shares_weights=source is policy, options=options)
@@ -53,6 +55,41 @@ def build_engine(cfg, policy, sampler, tokenizer):
     except RuntimeError as e:  # not installed, or it cannot load the model
         if type(e).__name__ == "EngineUnavailable":
             raise ConfigError(f"rollout_backend=vllm: {e}") from None
+        raise
+
+
+def server_engine(cfg, policy, tokenizer):
+    """The ``vllm_server`` engine over the servers ``rollout_servers`` names, or over
+    ``launch_rollout_servers`` servers started now (owned by the engine, stopped with it)."""
+    import os
+    import secrets
+    from pathlib import Path
+
+    from posttrain.rollout.fleet import Fleet
+    from posttrain.rollout.vllm_server import ServerOptions, VLLMServerEngine
+
+    dtype = getattr(torch, cfg.rollout_dtype if cfg.samples_in_own_dtype else cfg.dtype)
+    fleet = None
+    if cfg.launch_rollout_servers:
+        key = secrets.token_urlsafe(24)
+        longest = getattr(getattr(policy, "config", None), "max_position_embeddings", None)
+        fleet = Fleet(policy, tokenizer, cfg.launch_rollout_servers, key,
+                      Path(cfg.output_dir) / "rollout-servers", dtype=dtype,
+                      max_model_len=longest, devices=cfg.server_devices,
+                      extra_args=cfg.rollout_server_args, kv_cache_gb=cfg.vllm_kv_cache_gb,
+                      seed=cfg.seed)
+        urls = fleet.urls
+    else:
+        key = cfg.rollout_server_key or os.environ.get("POSTTRAIN_ROLLOUT_KEY")
+        urls = cfg.server_urls
+    options = ServerOptions(urls, key, cfg.rollout_timeout,
+                            dtype=str(dtype).removeprefix("torch."),
+                            startup_timeout=cfg.rollout_server_startup)
+    try:
+        return VLLMServerEngine(policy, tokenizer, options, fleet)
+    except BaseException:
+        if fleet is not None:
+            fleet.close()
         raise
 
 

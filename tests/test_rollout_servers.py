@@ -1,0 +1,199 @@
+"""The ``vllm_server`` engine's client against fake servers that speak vLLM's HTTP
+(tests/fake_vllm_server.py): samples independent of which server draws them, affinity,
+weight pushes, failover on a server that stops answering, the version check, the guard on
+a broken push, the key, and a whole run. The real servers are tested in the vLLM tier
+(tests/test_vllm_servers.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from bounds import logprob_tolerance
+from fake_vllm_server import FakeServer
+from posttrain.cli import main
+from posttrain.models import load_causal_lm, load_tokenizer
+from posttrain.models.loading import builtin_model_dir
+from posttrain.models.weights import hf_weights
+from posttrain.rollout import Request, SamplingParams
+from posttrain.rollout.guard import SyncGuard, SyncMismatch
+from posttrain.rollout.vllm_server import (
+    RolloutServerError,
+    ServerOptions,
+    StaleWeights,
+    VLLMServerEngine,
+)
+
+PROMPTS = ["12+3=", "40+41=", "7+45=", "30+5="]
+PARAMS = SamplingParams(temperature=1.0, max_new_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def model_tok():
+    model = load_causal_lm(str(builtin_model_dir()), device="cpu").eval()
+    return model, load_tokenizer(str(builtin_model_dir()))
+
+
+@pytest.fixture
+def fakes(model_tok):
+    servers = [FakeServer(*model_tok, key="k") for _ in range(2)]
+    yield servers
+    for s in servers:
+        s.close()
+
+
+def _engine(model_tok, servers, timeout=30.0, key="k"):
+    model, tok = model_tok
+    return VLLMServerEngine(model, tok, ServerOptions([s.url for s in servers], key, timeout,
+                                                      startup_timeout=30.0))
+
+
+def _requests(tok):
+    return [Request(tuple(tok(p)["input_ids"]), 100 + i) for i, p in enumerate(PROMPTS)]
+
+
+def _same(a, b) -> None:
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    assert torch.equal(a.logprobs, b.logprobs)
+    assert torch.equal(a.truncated, b.truncated)
+    assert a.texts == b.texts
+
+
+def test_samples_do_not_depend_on_the_server_and_groups_stay_together(model_tok, fakes):
+    model, tok = model_tok
+    reqs = _requests(tok)
+    two = _engine(model_tok, fakes)
+    a = two.generate(reqs, 3, PARAMS)
+    where = list(two.last_servers)
+    b = _engine(model_tok, fakes[:1]).generate(reqs, 3, PARAMS)  # (a push of its own)
+    _same(a, b)
+    assert set(where) == {0, 1}  # both servers drew some (the hash of these 4 prompts)
+    for g in range(len(reqs)):  # a group's samples on one server (its prefix cache)
+        assert len({where[i] for i in range(3 * g, 3 * g + 3)}) == 1
+    assert a.policy_version == 0 and a.group_ids.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2,
+                                                              3, 3, 3]
+    # the behaviour log-probs are the sampled tokens' under the model (temperature 1):
+    # the trainer's full forward of the same tokens, within two float32 forwards' rounding
+    for i, (seq, k) in enumerate(zip(*a.sequences(), strict=True)):
+        with torch.no_grad():
+            z = model(input_ids=torch.tensor([seq])).logits[0, k - 1:-1].double()
+        want = z.log_softmax(-1).gather(-1, torch.tensor(seq[k:])[:, None]).squeeze(-1)
+        got = a.logprobs[i, :len(want)].double()
+        assert float((got - want).abs().max()) <= logprob_tolerance(model, z)
+
+
+def test_an_episodes_next_turn_goes_where_its_sequence_was_made(model_tok, fakes):
+    _, tok = model_tok
+    eng = _engine(model_tok, fakes)
+    reqs = [Request(tuple(tok(p * 4)["input_ids"]), i) for i, p in enumerate(PROMPTS)]
+    first = eng.generate(reqs, 1, PARAMS)
+    where = list(eng.last_servers)
+    seqs, _ = first.sequences()
+    nxt = [Request(tuple(s) + tuple(tok(" ok")["input_ids"]), 7) for s in seqs]
+    eng.generate(nxt, 1, PARAMS)
+    assert eng.last_servers == where
+
+
+def test_a_push_reaches_every_server_and_versions_follow(model_tok, fakes):
+    model, tok = model_tok
+    eng = _engine(model_tok, fakes)
+    moved = {n: p.detach() + 0.01 * torch.randn_like(p) for n, p in model.named_parameters()}
+    trained = load_causal_lm(str(builtin_model_dir()), device="cpu")
+    trained.load_state_dict(moved, strict=False)
+    eng.sync(hf_weights(trained, torch.float32), 3)
+    for f in fakes:
+        got = dict(f.model.named_parameters())
+        for n, p in trained.named_parameters():
+            assert torch.equal(got[n], p), n
+        assert f.version == eng.tag == f"{eng.run_id}-3"
+    assert eng.generate(_requests(tok), 1, PARAMS).policy_version == 3
+    for f in fakes:  # the RL API's order (the built-in model is one bucket)
+        push = [c for c in f.calls if c not in ("/health", "/inference/v1/generate")]
+        assert push[-7:] == ["/pause", "/init_weight_transfer_engine", "/start_weight_update",
+                             "/update_weights", "/finish_weight_update",
+                             "/reset_prefix_cache", "/resume"]
+
+
+def test_a_stopped_server_is_named_and_its_requests_go_to_the_other(model_tok, fakes, capsys):
+    _, tok = model_tok
+    reqs = _requests(tok)
+    want = _engine(model_tok, fakes).generate(reqs, 2, PARAMS)
+    eng = _engine(model_tok, fakes, timeout=1.0)
+    fakes[1].stall.set()
+    got = eng.generate(reqs, 2, PARAMS)
+    _same(got, want)
+    assert set(eng.last_servers) == {0}
+    err = capsys.readouterr().err
+    assert f"rollout server 1 ({fakes[1].url}) did not answer" in err
+    assert "its requests go to server 0" in err
+
+
+def test_every_server_down_stops_the_run_in_one_line(model_tok, fakes):
+    _, tok = model_tok
+    eng = _engine(model_tok, fakes, timeout=1.0)
+    for f in fakes:
+        f.stall.set()
+    with pytest.raises(RolloutServerError, match=r"every rollout server is down.*resume"):
+        eng.generate(_requests(tok), 1, PARAMS)
+
+
+def test_a_server_on_other_weights_is_refused(model_tok, fakes):
+    _, tok = model_tok
+    eng = _engine(model_tok, fakes)
+    fakes[0].version = "default"  # restarted: it answers with its own weights
+    with pytest.raises(StaleWeights, match="rollout server 0 .*sampled with weights "
+                       r"\['default'\]"):
+        eng.generate(_requests(tok), 2, PARAMS)
+
+
+def test_the_guard_catches_a_push_that_loaded_nothing(model_tok, fakes):
+    model, tok = model_tok
+    eng = _engine(model_tok, fakes)
+    ro = eng.generate(_requests(tok)[:2], 1, SamplingParams(temperature=0.0,
+                                                            max_new_tokens=6))
+    guard = SyncGuard(eng, model, *ro.sequences(), torch.float32, torch.float32)
+    trained = load_causal_lm(str(builtin_model_dir()), device="cpu")
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    fakes[1].ignore_pushes = True
+    eng.sync(hf_weights(trained, torch.float32), 1)
+    with pytest.raises(SyncMismatch, match=f"rollout server 1 \\({fakes[1].url}\\)'s"):
+        guard.check(trained, 1)
+    fakes[1].ignore_pushes = False
+    eng.sync(hf_weights(trained, torch.float32), 2)
+    assert guard.check(trained, 2)["sync/gap_mean"] <= guard.tolerance * 4
+
+
+def test_a_wrong_key_is_refused(model_tok, fakes):
+    with pytest.raises(RolloutServerError, match=r"answered 500: .*weight push refused"):
+        _engine(model_tok, fakes, key="wrong")
+
+
+def test_a_grpo_run_samples_through_the_servers(model_tok, fakes, tmp_path, monkeypatch):
+    monkeypatch.setenv("POSTTRAIN_ROLLOUT_KEY", "k")
+    out = tmp_path / "run"
+    assert main(["grpo", "--rollout_backend", "vllm_server", "--rollout_servers",
+                 ",".join(f.url for f in fakes), "--max_steps", "2", "--prompts_per_step", "4",
+                 "--group_size", "2", "--eval_every", "0", "--tensorboard", "false",
+                 "--output_dir", str(out)]) == 0
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "train/loss" in r][-1] == 2
+    assert all(f.version.endswith("-2") for f in fakes)  # both hold the final weights
+    assert all("/inference/v1/generate" in f.calls for f in fakes)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--launch_rollout_servers", "2"], "launch_rollout_servers.*rollout_backend=auto"),
+    (["--rollout_backend", "vllm_server"], "needs either rollout_servers"),
+    (["--rollout_backend", "vllm_server", "--rollout_servers", "http://a:1",
+      "--launch_rollout_servers", "1"], "needs either rollout_servers"),
+    (["--rollout_backend", "vllm_server", "--rollout_servers", "a:1"], "not an http"),
+    (["--rollout_backend", "vllm_server", "--launch_rollout_servers", "2",
+      "--rollout_server_devices", "0"], "names 1 device sets for 2 servers"),
+])
+def test_server_keys_are_checked(args, message, capsys, tmp_path):
+    assert main(["grpo", *args, "--output_dir", str(tmp_path / "r")]) == 2
+    assert __import__("re").search(message, capsys.readouterr().err)
