@@ -49,8 +49,8 @@ from posttrain.rollout.types import (
     Rollout,
     SamplingParams,
     cut_at_stop,
-    sample_seed,
-    stream_seed,
+    request_seed,
+    request_uniforms,
 )
 
 __all__ = ["CDF_BLOCK", "DecodingEngine", "RolloutEngine", "compaction", "request_seed",
@@ -120,28 +120,6 @@ def _head_stats(stats: torch.Tensor, end: torch.Tensor) -> torch.Tensor | None:
     cols = torch.arange(stats.shape[-1], device=stats.device)
     stats = stats.masked_fill(cols[None, None, :] > end[None, :, None], 0.0).cpu()
     return stats if bool(torch.isfinite(stats).all()) else None
-
-
-def request_seed(seed: int, step: int, round_: int, slot: int) -> int:
-    """The seed of the request for prompt slot ``slot`` of an RL step's sampling round: from
-    ``(seed, step, round, slot)`` alone, so the samples drawn depend neither on how the
-    prompts are spread over ranks nor on what else a batch holds."""
-    return stream_seed(seed, step, round_, slot)
-
-
-def request_uniforms(requests: list[Request], n: int, columns: int) -> torch.Tensor | None:
-    """The uniform numbers ``(len·n, columns)`` that pick each sample's tokens: row
-    ``i·n + j`` from a generator seeded by ``sample_seed(requests[i].seed, j)``; None when
-    any request has no seed (the engine's generator draws then)."""
-    if any(r.seed is None for r in requests):
-        return None
-    out = torch.empty(len(requests) * n, columns)
-    gen = torch.Generator()
-    for i, r in enumerate(requests):
-        for j in range(n):
-            gen.manual_seed(sample_seed(r.seed, j))
-            out[i * n + j] = torch.rand(columns, generator=gen)
-    return out
 
 
 def compaction(live: torch.Tensor) -> torch.Tensor:

@@ -1,15 +1,19 @@
-"""What a rollout engine takes and returns: :class:`Request` (token ids and a seed),
+"""What a rollout engine takes and returns: :class:`Request` (token ids and a seed; the
+seeds of requests and of their samples, and the uniform numbers those draw),
 :class:`SamplingParams` and :class:`Rollout` (completion ids, behaviour log-probs, finish
 reasons, the policy version), and the batch operations on rollouts (select rows,
-concatenate rounds)."""
+concatenate rounds, leave out what stays in the process), each derived from the kinds the
+fields declare (:mod:`posttrain.rollout.record`)."""
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from posttrain.rollout import record
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,28 @@ def stream_seed(*parts) -> int:
 def sample_seed(request_seed: int, sample: int) -> int:
     """The seed of sample ``sample`` of a request seeded ``request_seed``."""
     return stream_seed(request_seed, sample)
+
+
+def request_seed(seed: int, step: int, round_: int, slot: int) -> int:
+    """The seed of the request for prompt slot ``slot`` of an RL step's sampling round: from
+    ``(seed, step, round, slot)`` alone, so the samples drawn depend neither on how the
+    prompts are spread over ranks nor on what else a batch holds."""
+    return stream_seed(seed, step, round_, slot)
+
+
+def request_uniforms(requests: list[Request], n: int, columns: int) -> torch.Tensor | None:
+    """The uniform numbers ``(len·n, columns)`` that pick each sample's tokens: row
+    ``i·n + j`` from a generator seeded by ``sample_seed(requests[i].seed, j)``; None when
+    any request has no seed (the engine's generator draws then)."""
+    if any(r.seed is None for r in requests):
+        return None
+    out = torch.empty(len(requests) * n, columns)
+    gen = torch.Generator()
+    for i, r in enumerate(requests):
+        for j in range(n):
+            gen.manual_seed(sample_seed(r.seed, j))
+            out[i * n + j] = torch.rand(columns, generator=gen)
+    return out
 
 
 def requests_for(tokenizer, prompts: list[str], seeds: list[int] | None = None
@@ -61,49 +87,71 @@ class SamplingParams:
         if self.top_k < 0 or self.max_new_tokens < 1:
             raise ValueError("top_k must be ≥ 0 and max_new_tokens ≥ 1")
 
+def _sampled_tokens(r: Rollout) -> torch.Tensor:
+    """What stands for a missing ``loss_mask`` when rounds are joined: every completion
+    token was sampled."""
+    return r.completion_mask
+
+
+def _sampled_by_its_version(r: Rollout) -> torch.Tensor:
+    """What stands for missing ``versions`` when rounds are joined: every token is
+    ``policy_version``'s."""
+    return torch.full_like(r.completion_ids, r.policy_version)
+
+
 @dataclass
 class Rollout:
-    """``N = P·G`` sampled completions; rows of one prompt are contiguous."""
+    """``N = P·G`` sampled completions; rows of one prompt are contiguous.
 
-    prompt_ids: list[list[int]]
+    Each field states its kind (``metadata``: :mod:`posttrain.rollout.record`), from which
+    :func:`select`, :func:`concat`, :func:`portable` and the checkpoint's
+    :func:`~posttrain.rollout.record.to_state` follow; a new field states its own."""
+
+    prompt_ids: list[list[int]] = field(metadata=record.row_list())
     """Token ids of each sample's prompt (no padding), length N."""
-    completion_ids: torch.Tensor
+    completion_ids: torch.Tensor = field(metadata=record.row_tensor(record.PAD_ID))
     """(N, Tc) generated tokens, right-padded with the pad id."""
-    completion_mask: torch.Tensor
+    completion_mask: torch.Tensor = field(metadata=record.row_tensor(0))
     """(N, Tc) 1 on generated tokens (including a closing eos)."""
-    logprobs: torch.Tensor
+    logprobs: torch.Tensor = field(metadata=record.row_tensor(0.0))
     """(N, Tc) the **behaviour log-probs**: each generated token's log-probability under
     the distribution it was actually drawn from (temperature, top-k and top-p applied), as
     the engine computed it; 0 past the completion."""
-    truncated: torch.Tensor
+    truncated: torch.Tensor = field(metadata=record.row_vector())
     """(N,) True where the token budget ran out before eos or a stop string (finish
     reason ``length``; ``stop`` otherwise)."""
-    group_ids: torch.Tensor
+    group_ids: torch.Tensor = field(metadata=record.row_vector(renumber=True))
     """(N,) index of the prompt each sample came from."""
-    texts: list[str]
+    texts: list[str] = field(metadata=record.row_list())
     """Decoded completions without special tokens (cut at a stop string)."""
-    policy_version: int = 0
-    """The version of the weights that sampled it (the engine's last :meth:`sync`)."""
-    loss_mask: torch.Tensor | None = None
+    policy_version: int = field(default=0, metadata=record.scalar(min, saved_as="version"))
+    """The version of the weights that sampled it (the engine's last :meth:`sync`); joined
+    rounds: the oldest."""
+    loss_mask: torch.Tensor | None = field(
+        default=None, metadata=record.row_tensor(0, stand_in=_sampled_tokens))
     """(N, Tc) 1 on the tokens the policy sampled and the loss trains, where that differs
     from ``completion_mask``: an episode's completion holds the environment's messages too
     (``posttrain.episodes``); None: every completion token was sampled."""
-    routing: torch.Tensor | None = None
+    routing: torch.Tensor | None = field(
+        default=None, metadata=record.row_tensor(-1, dim=2, to="widest"))
     """(N, routers, positions, k) the experts each token of a sample's sequence (prompt
     from position 0, then the completion) went to while sampling, -1 where none was
-    recorded (mixture-of-experts samplers asked for ``routing``; R3)."""
-    versions: torch.Tensor | None = None
+    recorded (mixture-of-experts samplers asked for ``routing``; R3). Joined rounds have
+    it only if every round has."""
+    versions: torch.Tensor | None = field(
+        default=None, metadata=record.row_tensor(0, stand_in=_sampled_by_its_version))
     """(N, Tc) the policy version that sampled each completion token, where they differ
     within a sample (partial rollouts: an episode's later turns under newer weights); None:
     every token is ``policy_version``'s."""
-    stats: dict[str, torch.Tensor] | None = None
+    stats: dict[str, torch.Tensor] | None = field(default=None, metadata=record.row_dict())
     """Per-sample numbers ``(N,)`` the step's metrics average (an episode's turns, its
     environment's seconds and counters); None for none."""
-    cache: Any = None
+    cache: Any = field(default=None, metadata=record.opaque())
     """What the engine computed while sampling that the update may reuse (an opaque,
     version-checked ``posttrain.fast.cache.SamplerCache``, asked for with ``extras``); None
     when nothing was kept. Rows are selected with its ``rows``, rounds joined with its
-    ``concat``; nothing here looks inside."""
+    ``concat``; nothing here looks inside, and it is neither gathered to other ranks nor
+    checkpointed."""
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -125,78 +173,25 @@ class Rollout:
         """Each sample's finish reason: ``stop`` (eos or a stop string) or ``length``."""
         return ["length" if t else "stop" for t in self.truncated.tolist()]
 
+
+record.parts(Rollout)  # (a field that does not state its kind fails here, at import)
+
+
 def select(r: Rollout, rows: torch.Tensor) -> Rollout:
     """The samples ``rows`` (indices, in order) of a rollout; group ids are kept."""
-    idx = rows.tolist()
-    return Rollout(prompt_ids=[r.prompt_ids[i] for i in idx], completion_ids=r.completion_ids[rows],
-                   completion_mask=r.completion_mask[rows], logprobs=r.logprobs[rows],
-                   truncated=r.truncated[rows], group_ids=r.group_ids[rows],
-                   texts=[r.texts[i] for i in idx], policy_version=r.policy_version,
-                   loss_mask=None if r.loss_mask is None else r.loss_mask[rows],
-                   stats=None if r.stats is None else {k: v[rows] for k, v in r.stats.items()},
-                   routing=None if r.routing is None else r.routing[rows],
-                   versions=None if r.versions is None else r.versions[rows],
-                   cache=None if r.cache is None else r.cache.rows(rows))
+    return record.select(r, rows)
+
 
 def concat(rollouts: list[Rollout], pad_id: int, width: int = 0) -> Rollout:
     """One rollout from several; completions are re-padded to the longest (or ``width``
     columns, if more), and group ids renumbered so groups stay distinct."""
-    T = max(width, *(r.completion_ids.shape[1] for r in rollouts))
-
-    def pad(x: torch.Tensor, value) -> torch.Tensor:
-        return torch.nn.functional.pad(x, (0, T - x.shape[1]), value=value)
-
-    offset, groups = 0, []
-    for r in rollouts:
-        _, ids = torch.unique(r.group_ids, return_inverse=True)
-        groups.append(ids + offset)
-        offset += int(ids.max()) + 1 if len(ids) else 0
-    return Rollout(
-        prompt_ids=[p for r in rollouts for p in r.prompt_ids],
-        completion_ids=torch.cat([pad(r.completion_ids, pad_id) for r in rollouts]),
-        completion_mask=torch.cat([pad(r.completion_mask, 0) for r in rollouts]),
-        logprobs=torch.cat([pad(r.logprobs, 0.0) for r in rollouts]),
-        truncated=torch.cat([r.truncated for r in rollouts]),
-        group_ids=torch.cat(groups),
-        texts=[t for r in rollouts for t in r.texts],
-        policy_version=min(r.policy_version for r in rollouts),
-        loss_mask=(None if all(r.loss_mask is None for r in rollouts) else
-                   torch.cat([pad(r.trained_mask, 0) for r in rollouts])),
-        stats=_concat_stats(rollouts),
-        routing=_concat_routing([r.routing for r in rollouts]),
-        versions=(None if all(r.versions is None for r in rollouts) else
-                  torch.cat([pad(r.versions if r.versions is not None else
-                                 torch.full_like(r.completion_ids, r.policy_version), 0)
-                             for r in rollouts])),
-        cache=_concat_caches([r.cache for r in rollouts], T))
+    return record.concat(rollouts, pad_id, width)
 
 
-def _concat_routing(parts: list) -> torch.Tensor | None:
-    """The rounds' recorded routing, padded with -1 to the widest; None unless every round
-    has one."""
-    if not parts or any(p is None for p in parts):
-        return None
-    W = max(p.shape[2] for p in parts)
-    return torch.cat([torch.nn.functional.pad(p, (0, 0, 0, W - p.shape[2]), value=-1)
-                      for p in parts])
-
-
-def _concat_stats(rollouts: list[Rollout]) -> dict[str, torch.Tensor] | None:
-    """The rounds' per-sample stats joined (0 for a key a round lacks)."""
-    if all(r.stats is None for r in rollouts):
-        return None
-    keys = sorted({k for r in rollouts if r.stats for k in r.stats})
-    return {k: torch.cat([r.stats[k].double() if r.stats and k in r.stats
-                          else torch.zeros(len(r.truncated), dtype=torch.float64)
-                          for r in rollouts]) for k in keys}
-
-
-def _concat_caches(parts: list, T: int):
-    """The rounds' caches as one (their own ``concat``), or None unless every round has
-    one."""
-    if not parts or any(p is None for p in parts):
-        return None
-    return type(parts[0]).concat(parts, T)
+def portable(r: Rollout) -> Rollout:
+    """The rollout without its sampler cache (and any other opaque field): what is sent to
+    other ranks."""
+    return record.portable(r)
 
 
 def cut_at_stop(text: str, stop: tuple[str, ...]) -> str:

@@ -21,6 +21,7 @@ from posttrain.rewards import reward_columns
 from posttrain.rewards import score as score_rewards
 from posttrain.rollout import Request, Rollout, RolloutEngine, SamplingParams, concat, select
 from posttrain.rollout.engine import request_seed
+from posttrain.rollout.types import portable
 
 
 @dataclass
@@ -283,9 +284,7 @@ class ExperienceMaker:
         own = (torch.tensor(slots)[:, None] * G + torch.arange(G)).flatten()
         if dist.world_size() == 1:
             return local, scored, own
-        cache, local.cache = local.cache, None
-        gathered = dist.gather_objects((local, scored), self.group)
-        local.cache = cache
+        gathered = dist.gather_objects((portable(local), scored), self.group)
         world, want = dist.world_size(), self.cfg.prompts_per_step
         # rank r's k-th group is slot k·world + r
         order = sorted(range(want), key=lambda j: (j % world, j // world))

@@ -45,7 +45,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from posttrain.rollout import Rollout, select
+from posttrain.rollout import Rollout, record, select
 from posttrain.trainers.online.experience import Experience
 
 CLOSE_WAIT_S = 30.0
@@ -303,38 +303,34 @@ class Producer:
 
 
 # --- a batch as JSON and tensors ------------------------------------------------------------
-_ROLLOUT_TENSORS = ("completion_ids", "completion_mask", "logprobs", "truncated", "group_ids",
-                    "loss_mask", "routing", "versions")
+_EXPERIENCE_META = ("rounds", "dropped_groups", "generate_s", "reward_s", "sampled_tokens")
 
 
 def experience_state(exp: Experience) -> tuple[dict, dict[str, torch.Tensor]]:
-    """A made batch as JSON-able values and tensors (no pickle); its sampler cache is not
-    kept (asynchronous rollouts keep none: the engine's weights are not the learner's)."""
-    ro = exp.rollout
-    if ro.cache is not None:
-        raise RuntimeError("a batch with a sampler cache cannot be checkpointed")
-    tensors = {f"rollout.{k}": getattr(ro, k) for k in _ROLLOUT_TENSORS
-               if getattr(ro, k) is not None}
-    tensors.update({f"rollout.stats.{k}": v for k, v in (ro.stats or {}).items()})
+    """A made batch as JSON-able values and tensors (no pickle): its rollout's fields as
+    their declaration says (:func:`~posttrain.rollout.record.to_state`, tensors under
+    ``rollout.``), its scores and counts. Its sampler cache is not kept (asynchronous
+    rollouts keep none: the engine's weights are not the learner's)."""
+    ro_meta, ro_tensors = record.to_state(exp.rollout)
+    tensors = {f"rollout.{k}": v for k, v in ro_tensors.items()}
     tensors.update({"scores": exp.scores, "valid": exp.valid, "correct": exp.correct,
                     "own": exp.own})
     tensors.update({f"terms.{k}": v for k, v in exp.terms.items()})
-    meta = {"prompt_ids": ro.prompt_ids, "texts": ro.texts, "version": ro.policy_version,
-            "terms": list(exp.terms), "stats": list(ro.stats or {}),
-            **{f.name: getattr(exp, f.name) for f in fields(Experience)
-               if f.name in ("rounds", "dropped_groups", "generate_s", "reward_s",
-                             "sampled_tokens")}}
-    return meta, {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    batch = {"terms": list(exp.terms), **{f.name: getattr(exp, f.name) for f in fields(Experience)
+                                          if f.name in _EXPERIENCE_META}}
+    if clash := sorted(set(ro_meta) & set(batch)):
+        raise TypeError(f"the rollout's keys {clash} are the batch's own")
+    return {**ro_meta, **batch}, {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
 
 
 def experience_from_state(meta: dict, tensors: dict[str, torch.Tensor],
-                          own: torch.Tensor | None = None) -> Experience:
+                          own: torch.Tensor | None = None,
+                          rollout_type: type[Rollout] = Rollout) -> Experience:
     """The batch :func:`experience_state` wrote; ``own``: this rank's rows of it (torchrun),
-    None: all of them (a world of one)."""
-    stats = {k: tensors[f"rollout.stats.{k}"] for k in meta["stats"]} or None
-    ro = Rollout(prompt_ids=[list(p) for p in meta["prompt_ids"]], texts=list(meta["texts"]),
-                 policy_version=int(meta["version"]), stats=stats,
-                 **{k: tensors.get(f"rollout.{k}") for k in _ROLLOUT_TENSORS})
+    None: all of them (a world of one); ``rollout_type``: the class of its rollout (a
+    subclass with fields of its own)."""
+    ro = record.from_state(rollout_type, meta, {k[len("rollout."):]: v for k, v in tensors.items()
+                                                if k.startswith("rollout.")})
     own = tensors["own"] if own is None else own
     local = ro if own is None or (len(own) == len(ro.texts) and bool(
         (own == torch.arange(len(ro.texts))).all())) else select(ro, own)
