@@ -23,16 +23,7 @@ from pathlib import Path
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A bad configuration key or value, with a message meant for the user."""
-
-
-def check(ok: bool, message: str) -> None:
-    """Raise :class:`ConfigError` with ``message`` unless ``ok``."""
-    if not ok:
-        raise ConfigError(message)
-
+from posttrain.config.errors import ConfigError, check
 
 # --- loading ---------------------------------------------------------------------------------
 
@@ -198,7 +189,8 @@ def dump(cfg, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(values, sort_keys=False))
 
 
-from posttrain.config.base import RunConfig, check_device  # noqa: E402  (they use check)
+# (last: config.rl imports ConfigError and check from this package)
+from posttrain.config.base import RunConfig, check_device  # noqa: E402
 from posttrain.config.offline import DPOConfig, OfflineConfig, RMConfig, SFTConfig  # noqa: E402
 from posttrain.config.rl import DistillConfig, PPOConfig, RLConfig  # noqa: E402
 

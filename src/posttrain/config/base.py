@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
-from posttrain.config import ConfigError, check
+from posttrain.config.errors import ConfigError, check
 
 
 def check_device(device: str) -> None:

@@ -7,8 +7,8 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-from posttrain.config import check
 from posttrain.config.base import RunConfig
+from posttrain.config.errors import check
 from posttrain.core.preference import DPO_LOSS_TYPES
 
 

@@ -38,9 +38,9 @@ def _serve(conn, cfg, extras, version: int, threads: int, flag) -> None:
         from posttrain.models import load_tokenizer
         from posttrain.rewards import parse_rewards
         from posttrain.trainers import trained
+        from posttrain.trainers.online.inputs import experience_maker, rl_rows
         from posttrain.trainers.online.producer import Producer
         from posttrain.trainers.online.sampler import build_engine
-        from posttrain.trainers.online.trainer import experience_maker, rl_rows
 
         fast.prepare_process(cfg)  # (the process settings a run applies first)
         tok = load_tokenizer(cfg.model, cfg.trust_remote_code)

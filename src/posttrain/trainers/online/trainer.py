@@ -31,9 +31,7 @@ from pathlib import Path
 
 import torch
 
-from posttrain import data as data_mod
 from posttrain import dist, fast, sharding
-from posttrain.builtin import task as builtin_task
 from posttrain.config import ConfigError, PPOConfig, RLConfig
 from posttrain.core import AdaptiveKLController, FixedKLController
 from posttrain.core.algorithms import compute_advantages
@@ -51,12 +49,11 @@ from posttrain.models import (
 )
 from posttrain.models.weights import hf_weights
 from posttrain.rewards import parse_rewards
-from posttrain.rollout.types import stream_seed
 from posttrain.trainers import loop, trained
 from posttrain.trainers.loop.job import Job, StepResult
 from posttrain.trainers.loop.optim import Optim
 from posttrain.trainers.online.batch import TokenBatch
-from posttrain.trainers.online.experience import ExperienceMaker
+from posttrain.trainers.online.inputs import experience_maker, rl_rows
 from posttrain.trainers.online.metrics import logprob_gap, sample_table, step_metrics
 from posttrain.trainers.online.producer import Producer
 from posttrain.trainers.online.sampler import build_engine, make_guard, sampler_module
@@ -533,44 +530,6 @@ class RLTrainer(Job):
 
     def train(self) -> dict[str, float]:
         return loop.run(self.cfg, self, self.cfg.max_steps)
-
-
-def experience_maker(cfg, algo, engine, tok, rewards, train_rows,
-                     generator: torch.Generator | None = None) -> ExperienceMaker:
-    """The run's batch maker over ``engine`` (the built-in task's exact-answer check as its
-    accuracy, whatever the reward); ``generator``: its data order's, else the asynchronous
-    producer's own."""
-    accuracy = builtin_task.reward if cfg.data is None and not cfg.episodic else None
-    if generator is None or cfg.async_staleness:
-        # (the learner's generator shuffles minibatches meanwhile)
-        generator = torch.Generator().manual_seed(stream_seed(cfg.seed, "producer"))
-    return ExperienceMaker(cfg, algo, engine, tok, rewards, train_rows, generator, accuracy)
-
-
-def rl_rows(cfg, tok) -> tuple[list[dict], list[dict]]:
-    """Training and held-out prompts (or episode rows), each prompt checked against
-    max_length."""
-    if cfg.episodic:  # the environment makes the prompts (the loop checks their length)
-        if cfg.data is None:
-            from posttrain.builtin import episodes
-
-            return (episodes.rows(cfg.builtin_train_size, "train", cfg.seed),
-                    episodes.rows(cfg.builtin_eval_size, "eval", cfg.seed))
-        kind = "rl" if cfg.tools else "env"  # (the tool environment reads the prompt)
-        return (data_mod.load(cfg.data, kind)[1],
-                data_mod.load(cfg.eval_data, kind)[1] if cfg.eval_data else [])
-    if cfg.data is None:
-        sets = [(data_mod.BUILTIN_SOURCE,
-                 builtin_task.rl_rows(cfg.builtin_train_size, "train", cfg.seed)),
-                (data_mod.BUILTIN_SOURCE,
-                 builtin_task.rl_rows(cfg.builtin_eval_size, "eval", cfg.seed))]
-    else:
-        sets = [data_mod.load(cfg.data, "rl"),
-                data_mod.load(cfg.eval_data, "rl") if cfg.eval_data else ("", [])]
-    for name, rows in sets:
-        data_mod.check_prompt_lengths(tok, name, rows, cfg.max_new_tokens,
-                                      cfg.max_length)
-    return sets[0][1], sets[1][1]
 
 
 def _groups_share_prompts(rollout) -> bool:
