@@ -59,7 +59,10 @@ class FakeServer:
                 body = json.loads(self.rfile.read(n)) if n else {}
                 self._reply(*fake.handle("POST", self.path, body, self.headers))
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(ThreadingHTTPServer):
+            request_queue_size = 1024  # (a run sends hundreds of requests at once)
+
+        self.httpd = Server(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)

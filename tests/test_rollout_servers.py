@@ -197,3 +197,21 @@ def test_a_grpo_run_samples_through_the_servers(model_tok, fakes, tmp_path, monk
 def test_server_keys_are_checked(args, message, capsys, tmp_path):
     assert main(["grpo", *args, "--output_dir", str(tmp_path / "r")]) == 2
     assert __import__("re").search(message, capsys.readouterr().err)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", [["ppo"], ["grpo", "--async_staleness", "1"],
+                                     ["distill", "--teacher", "builtin"]])
+def test_ppo_async_and_distill_sample_through_the_servers(command, fakes, tmp_path,
+                                                         monkeypatch):
+    monkeypatch.setenv("POSTTRAIN_ROLLOUT_KEY", "k")
+    out = tmp_path / "run"
+    assert main([*command, "--rollout_backend", "vllm_server", "--rollout_servers",
+                 ",".join(f.url for f in fakes), "--max_steps", "2", "--prompts_per_step",
+                 "4", "--eval_every", "0", "--tensorboard", "false",
+                 "--output_dir", str(out)]) == 0
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["step"] for r in rows if "train/loss" in r) == 2
+    versions = {f.version for f in fakes}  # (the optimiser steps: ppo makes several a step)
+    assert len(versions) == 1 and not versions.pop().endswith("-0")
+    assert all("/inference/v1/generate" in f.calls for f in fakes)

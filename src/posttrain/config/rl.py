@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
-from posttrain.config import ConfigError, check
 from posttrain.config.base import RunConfig
+from posttrain.config.errors import ConfigError, check
 from posttrain.config.servers import RolloutServerFields
 from posttrain.core.algorithms import Algorithm, algorithm_names, get_algorithm
 

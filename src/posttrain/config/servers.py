@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from posttrain.config import ConfigError, check
+from posttrain.config.errors import ConfigError, check
 
 
 @dataclass

@@ -1,6 +1,8 @@
 """Rollout servers a run owns (``--launch_rollout_servers N``): N vLLM OpenAI-compatible
 servers started from the policy's weights, on 127.0.0.1 and free ports, each checking the
-run's key; their logs in the run directory; stopped when the run ends — normally, on an
+run's key; their logs (``server-i.log``) and process ids (``server-i.pid``, each the leader
+of the server's process group) in the run directory's ``rollout-servers/``; stopped when
+the run ends — normally, on an
 error, or on SIGTERM / SIGINT (each server leads a process group of its own, which
 :meth:`Fleet.close` ends: SIGTERM, then SIGKILL after a grace period).
 
@@ -75,6 +77,9 @@ class Fleet:
                     env["CUDA_VISIBLE_DEVICES"] = devices[i]
                 elif not _cuda():
                     cmd.append("--enforce-eager")
+                    # (bound to cores, vLLM's CPU workers spin on them; unbound they share
+                    # the cores with the trainer and the other servers)
+                    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
                 cmd += shlex.split(extra_args)
                 with open(self.log_dir / f"server-{i}.log", "ab") as log:
                     log.write(f"$ {shlex.join(cmd).replace(key, '<key>')}\n".encode())
@@ -83,6 +88,7 @@ class Fleet:
                         cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                         start_new_session=True))
                 self.urls.append(f"http://127.0.0.1:{port}")
+                (self.log_dir / f"server-{i}.pid").write_text(f"{self.procs[-1].pid}\n")
             self._trap()
             atexit.register(self.close)  # also when nothing else closes it
         except BaseException:

@@ -61,6 +61,10 @@ class StaleWeights(RolloutServerError):
 class ServerDown(ConnectionError):
     """One server did not answer (timeout, refused or reset connection)."""
 
+    def __init__(self, why: str, timed_out: bool):
+        super().__init__(why)
+        self.timed_out = timed_out
+
 
 @dataclass
 class ServerOptions:
@@ -150,11 +154,12 @@ class VLLMServerEngine(RolloutEngine):
                                      f"{' '.join(detail.split())}") from None
         except (urllib.error.URLError, OSError) as e:
             reason = getattr(e, "reason", e)
-            if isinstance(reason, TimeoutError) or isinstance(e, TimeoutError):
+            timed_out = isinstance(reason, TimeoutError) or isinstance(e, TimeoutError)
+            if timed_out:
                 why = f"did not answer {path} within {timeout or self.options.timeout:g} s"
             else:
                 why = f"dropped {path} ({type(reason).__name__}: {reason})"
-            raise ServerDown(why) from None
+            raise ServerDown(why, timed_out) from None
         return json.loads(text) if text else {}
 
     def _wait_healthy(self, server: Server) -> None:
@@ -217,10 +222,16 @@ class VLLMServerEngine(RolloutEngine):
             if not live:
                 raise RolloutServerError("every rollout server is down")
             server = live[self._home(prompt) % len(live)]
+            body = {"token_ids": list(prompt), "sampling_params": params}
             try:
-                out = self._call(server, "/inference/v1/generate",
-                                 {"token_ids": list(prompt), "sampling_params": params})
-                return server, out
+                return server, self._call(server, "/inference/v1/generate", body)
+            except ServerDown as e:
+                if e.timed_out:
+                    self._drop(server, str(e))
+                    continue
+            time.sleep(1.0)  # a dropped connection: once more (an overloaded accept queue)
+            try:
+                return server, self._call(server, "/inference/v1/generate", body)
             except ServerDown as e:
                 self._drop(server, str(e))
 
