@@ -8,7 +8,7 @@ posttrain's safetensors buckets, ``/finish_weight_update``, ``/reset_prefix_cach
 seeded by the request's seed alone, so which server draws a sample does not change it.
 
 Knobs for the tests: ``stall`` (an event: while set, generate calls hang as a SIGSTOPped
-server's would), ``ignore_pushes`` (a push that loads nothing: a broken transport),
+server's would; ``stall_after`` sets it after that many pushes), ``ignore_pushes`` (a push that loads nothing: a broken transport),
 ``version`` (overwrite the version it reports: a server restarted on other weights)."""
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ class FakeServer:
         self.stall = threading.Event()
         self.released = threading.Event()  # (never set: stall's poll interval)
         self.ignore_pushes = False
+        self.stall_after: int | None = None  # pushes after which it stalls (None: never)
+        self.pushes = 0
         self.calls: list[str] = []
         self.lock = threading.Lock()
         self.engine = HFEngine(self.model, tokenizer, shares_weights=True)
@@ -94,6 +96,9 @@ class FakeServer:
             return 200, {}
         if route == "/finish_weight_update":
             self.version = body["weight_version"]
+            self.pushes += 1
+            if self.stall_after is not None and self.pushes >= self.stall_after:
+                self.stall.set()
             return 200, {}
         if route in ("/pause", "/resume", "/start_weight_update", "/reset_prefix_cache"):
             return 200, {}

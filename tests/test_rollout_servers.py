@@ -215,3 +215,36 @@ def test_ppo_async_and_distill_sample_through_the_servers(command, fakes, tmp_pa
     versions = {f.version for f in fakes}  # (the optimiser steps: ppo makes several a step)
     assert len(versions) == 1 and not versions.pop().endswith("-0")
     assert all("/inference/v1/generate" in f.calls for f in fakes)
+
+
+@pytest.mark.slow
+def test_a_run_whose_servers_all_stop_resumes_to_the_uninterrupted_weights(
+        fakes, tmp_path, monkeypatch, capsys):
+    """Every server stops answering after the push that follows step 2 (the guard's probe
+    is the first call to hang): the run stops with exit 2 in one line and its step-1
+    checkpoint intact; resumed once they answer, it ends with the weights of the run never
+    interrupted."""
+    from safetensors.torch import load_file
+
+    monkeypatch.setenv("POSTTRAIN_ROLLOUT_KEY", "k")
+    args = ["grpo", "--rollout_backend", "vllm_server", "--rollout_servers",
+            ",".join(f.url for f in fakes), "--max_steps", "4", "--prompts_per_step", "4",
+            "--eval_every", "0", "--save_every", "1", "--tensorboard", "false",
+            "--rollout_timeout", "2"]
+    assert main([*args, "--output_dir", str(tmp_path / "whole")]) == 0
+    for f in fakes:
+        f.stall_after, f.pushes = 3, 0  # the start's push, then steps 1 and 2
+    cut = tmp_path / "cut"
+    assert main([*args, "--output_dir", str(cut)]) == 2
+    err = capsys.readouterr().err
+    assert "error: every rollout server is down" in err and "--resume_from" in err
+    assert (cut / "checkpoint-1").exists() and not (cut / "checkpoint-2").exists()
+    assert not (cut / "final").exists()
+    for f in fakes:
+        f.stall_after = None
+        f.stall.clear()
+    assert main([*args, "--output_dir", str(cut), "--resume_from",
+                 str(cut / "checkpoint-1")]) == 0
+    a = load_file(str(tmp_path / "whole" / "final" / "model.safetensors"))
+    b = load_file(str(cut / "final" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
