@@ -8,8 +8,9 @@ posttrain's safetensors buckets, ``/finish_weight_update``, ``/reset_prefix_cach
 seeded by the request's seed alone, so which server draws a sample does not change it.
 
 Knobs for the tests: ``stall`` (an event: while set, generate calls hang as a SIGSTOPped
-server's would; ``stall_after`` sets it after that many pushes), ``ignore_pushes`` (a push that loads nothing: a broken transport),
-``version`` (overwrite the version it reports: a server restarted on other weights)."""
+server's would; ``stall_after`` sets it after that many pushes), ``ignore_pushes`` (a push
+that loads nothing: a broken transport), ``version`` (overwrite the version it reports: a
+server restarted on other weights)."""
 
 from __future__ import annotations
 

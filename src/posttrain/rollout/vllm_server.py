@@ -27,17 +27,15 @@ Only the standard library speaks HTTP here; nothing imports vLLM."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
-import json
 import os
 import secrets
 import shutil
 import sys
 import tempfile
+import threading
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -46,24 +44,17 @@ import torch
 
 from posttrain.models.weights import checkpoint_layout
 from posttrain.rollout.engine import RolloutEngine
+from posttrain.rollout.server_calls import (
+    RolloutServerError,
+    Server,
+    ServerDown,
+    StaleWeights,
+    call,
+    is_local,
+    shared_value,
+)
 from posttrain.rollout.types import Request, Rollout, SamplingParams, cut_at_stop, sample_seed
 from posttrain.rollout.vllm import _tied_names, _with_head
-
-
-class RolloutServerError(ConnectionError):
-    """The fleet cannot serve the run: every server is down (or one misbehaved)."""
-
-
-class StaleWeights(RolloutServerError):
-    """A server answered with weights other than the version last pushed."""
-
-
-class ServerDown(ConnectionError):
-    """One server did not answer (timeout, refused or reset connection)."""
-
-    def __init__(self, why: str, timed_out: bool):
-        super().__init__(why)
-        self.timed_out = timed_out
 
 
 @dataclass
@@ -79,27 +70,13 @@ class ServerOptions:
     startup_timeout: float = 600.0
     """Seconds to wait for a server's ``/health`` before the first push."""
     max_concurrency: int = 256
-    """Requests in flight per server."""
+    """Requests in flight per live server (the pool is this times the live servers)."""
     local: list[bool] = field(default_factory=list)
     """Per server: on this host (pushes go by file); default from the URL's host."""
 
 
 _KEY = 16
 """Tokens of a sequence that index it for affinity (a later turn shares its start)."""
-
-
-def _is_local(url: str) -> bool:
-    host = urllib.parse.urlsplit(url).hostname or ""
-    return host in ("127.0.0.1", "localhost", "::1")
-
-
-class Server:
-    def __init__(self, index: int, url: str, local: bool):
-        self.index, self.url, self.local = index, url.rstrip("/"), local
-        self.alive = True
-
-    def __str__(self) -> str:
-        return f"rollout server {self.index} ({self.url})"
 
 
 class VLLMServerEngine(RolloutEngine):
@@ -111,13 +88,14 @@ class VLLMServerEngine(RolloutEngine):
         self.tokenizer, self.options, self.fleet = tokenizer, options, fleet
         self.dtype = (next(model.parameters()).dtype if options.dtype == "auto"
                       else getattr(torch, options.dtype))
-        local = options.local or [_is_local(u) for u in options.urls]
+        local = options.local or [is_local(u) for u in options.urls]
         self.servers = [Server(i, u, loc) for i, (u, loc) in
                         enumerate(zip(options.urls, local, strict=True))]
         if not self.servers:
             raise ValueError("rollout_backend=vllm_server needs rollout_servers or "
                              "launch_rollout_servers")
-        self.run_id = secrets.token_hex(4)
+        self.run_id = shared_value(secrets.token_hex(4))  # (rank 0's: its pushes name it)
+        self._lock = threading.Lock()
         self._model, self._tied = model, _tied_names(model)
         self._made: dict[tuple[int, ...], list] = {}
         """The last call's sequences and their servers, by their first ``_KEY`` tokens."""
@@ -138,29 +116,8 @@ class VLLMServerEngine(RolloutEngine):
     # --- HTTP ----------------------------------------------------------------------------
     def _call(self, server: Server, path: str, body: dict | None = None,
               method: str = "POST", timeout: float | None = None) -> dict:
-        """One call; :class:`ServerDown` when the server does not answer in time or drops
-        the connection, :class:`RolloutServerError` when it answers with an error."""
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(server.url + path, data=data, method=method)
-        req.add_header("Content-Type", "application/json")
-        if self.options.key:
-            req.add_header("Authorization", f"Bearer {self.options.key}")
-        try:
-            with urllib.request.urlopen(req, timeout=timeout or self.options.timeout) as r:
-                text = r.read()
-        except urllib.error.HTTPError as e:
-            detail = e.read()[:300].decode(errors="replace")
-            raise RolloutServerError(f"{server}: {path} answered {e.code}: "
-                                     f"{' '.join(detail.split())}") from None
-        except (urllib.error.URLError, OSError) as e:
-            reason = getattr(e, "reason", e)
-            timed_out = isinstance(reason, TimeoutError) or isinstance(e, TimeoutError)
-            if timed_out:
-                why = f"did not answer {path} within {timeout or self.options.timeout:g} s"
-            else:
-                why = f"dropped {path} ({type(reason).__name__}: {reason})"
-            raise ServerDown(why, timed_out) from None
-        return json.loads(text) if text else {}
+        return call(server, path, body, self.options.key, timeout or self.options.timeout,
+                    method)
 
     def _wait_healthy(self, server: Server) -> None:
         deadline = time.monotonic() + self.options.startup_timeout
@@ -178,9 +135,10 @@ class VLLMServerEngine(RolloutEngine):
                                  f"{self.options.startup_timeout:g} s ({last})")
 
     def _drop(self, server: Server, why: str) -> None:
-        if server.alive:
-            server.alive = False
+        with self._lock:
+            first, server.alive = server.alive, False
             left = [s for s in self.servers if s.alive]
+        if first:
             then = (f"its requests go to {', '.join(f'server {s.index}' for s in left)}"
                     if left else "no server is left")
             print(f"warning: {server} {why}: {then}", file=sys.stderr, flush=True)
@@ -205,15 +163,15 @@ class VLLMServerEngine(RolloutEngine):
                 "stop_token_ids": [eos] if eos is not None else None,
                 "detokenize": bool(p.stop)}
 
-    def _home(self, prompt: tuple[int, ...]) -> int:
-        """The index among live servers a prompt goes to: where the sequence it extends
-        was made, else its hash."""
-        live = self._live()
-        for seq, server in self._made.get(prompt[:_KEY], ()):
-            if server.alive and len(seq) <= len(prompt) and prompt[:len(seq)] == seq:
-                return live.index(server)
+    def _home(self, prompt: tuple[int, ...], live: list[Server]) -> Server:
+        """The live server a prompt goes to: where the sequence it extends was made, else
+        the one its hash picks."""
+        for k in range(1, min(_KEY, len(prompt)) + 1):
+            for seq, server in self._made.get(prompt[:k], ()):
+                if server in live and len(seq) <= len(prompt) and prompt[:len(seq)] == seq:
+                    return server
         h = int.from_bytes(hashlib.sha256(repr(prompt).encode()).digest()[:8], "little")
-        return h % len(live)
+        return live[h % len(live)]
 
     def _sample(self, prompt: tuple[int, ...], params: dict) -> tuple[Server, dict]:
         """One sample, on its server or, when that one is down, the next live one."""
@@ -221,7 +179,7 @@ class VLLMServerEngine(RolloutEngine):
             live = self._live()
             if not live:
                 raise RolloutServerError("every rollout server is down")
-            server = live[self._home(prompt) % len(live)]
+            server = self._home(prompt, live)
             body = {"token_ids": list(prompt), "sampling_params": params}
             try:
                 return server, self._call(server, "/inference/v1/generate", body)
@@ -259,7 +217,7 @@ class VLLMServerEngine(RolloutEngine):
         self._made = {}
         for (prompt, _), (server, _), (ids, *_) in zip(jobs, answers, outs, strict=True):
             seq = prompt + tuple(ids)
-            self._made.setdefault(seq[:_KEY], []).append((seq, server))
+            self._made.setdefault(seq[:min(_KEY, len(seq))], []).append((seq, server))
         return self._rollout(requests, n, params, outs, [s for s, _ in answers])
 
     def _choice(self, server: Server, out: dict) -> tuple[list[int], list[float], str]:
@@ -271,6 +229,10 @@ class VLLMServerEngine(RolloutEngine):
                                      "it sampled (vLLM ≥ 0.32 with its RL API, "
                                      "VLLM_SERVER_DEV_MODE=1)")
         stale = {s["version"] for s in spans or []} - {self.tag}
+        covered = sum(int(s["end"]) - int(s["start"]) for s in spans or [])
+        if not stale and covered != len(ids):
+            raise RolloutServerError(f"{server}'s weight versions cover {covered} of the "
+                                     f"{len(ids)} tokens it sampled")
         if stale:
             raise StaleWeights(f"{server} sampled with weights {sorted(stale)}, not the "
                                f"version last pushed ({self.tag}): it was restarted or "
@@ -280,7 +242,11 @@ class VLLMServerEngine(RolloutEngine):
             raise RolloutServerError(f"{server} returned log-probs that are not the "
                                      "sampled tokens'")
         lps = [float(c["logprob"]) for c in content] if content else [0.0] * len(ids)
-        return ids, lps, choice.get("finish_reason") or "stop"
+        reason = choice.get("finish_reason")
+        if reason not in ("stop", "length"):  # (aborted: someone paused the server)
+            raise RolloutServerError(f"{server} ended a sample with finish reason "
+                                     f"{reason!r}, not stop or length")
+        return ids, lps, reason
 
     def _rollout(self, requests, n, params, outs, servers) -> Rollout:
         pad = self.tokenizer.pad_token_id
@@ -363,45 +329,70 @@ class VLLMServerEngine(RolloutEngine):
             self.version, self._made = version, {}
             return
         tag, key = f"{self.run_id}-{version}", self.options.key or ""
-        live = self._live()
+        live, paused = self._live(), []
 
-        def each(path: str, body: dict | None = None) -> None:
-            for s in list(live):
-                if s.alive:
-                    try:
-                        self._call(s, path, body)
-                    except ServerDown as e:
-                        self._drop(s, str(e))
+        def call(server: Server, path: str, body: dict | None = None) -> dict | None:
+            """``path`` on ``server``; a server that fails it (no answer, or an error) is
+            dropped: it no longer holds the weights the run samples from."""
+            if not server.alive:
+                return None
+            try:
+                return self._call(server, path, body)
+            except (ServerDown, RolloutServerError) as e:
+                self._drop(server, str(e).removeprefix(f"{server}: "))
+                return None
 
-        each("/pause?mode=wait")
-        each("/init_weight_transfer_engine", {"init_info": {"key": key}})
-        each("/start_weight_update")
-        for blob in self._buckets(weights):
-            inline = {"key": key, "data": base64.b64encode(blob).decode()}
-            path = None
-            if any(s.local for s in live):
-                if self._dir is None:
-                    self._dir = tempfile.mkdtemp(prefix=f"posttrain-push-{self.run_id}-",
-                                                 dir="/dev/shm" if os.path.isdir("/dev/shm")
-                                                 else None)
-                path = os.path.join(self._dir, "bucket.safetensors")
-                with open(path, "wb") as f:
-                    f.write(blob)
-            for s in list(live):
-                if s.alive:
-                    info = {"key": key, "path": path} if s.local else inline
-                    try:
-                        self._call(s, "/update_weights", {"update_info": info})
-                    except ServerDown as e:
-                        self._drop(s, str(e))
-        each("/finish_weight_update", {"weight_version": tag})
-        each("/reset_prefix_cache")
-        each("/resume")
+        try:
+            for server in live:
+                if call(server, "/pause?mode=wait") is not None:
+                    paused.append(server)
+                call(server, "/init_weight_transfer_engine", {"init_info": {"key": key}})
+                call(server, "/start_weight_update")
+            for blob in self._buckets(weights):
+                inline = path = None
+                for server in live:
+                    if not server.alive:
+                        continue
+                    if server.local and path is None:
+                        path = self._bucket_file(blob)
+                    elif not server.local and inline is None:
+                        inline = base64.b64encode(blob).decode()
+                    info = ({"key": key, "path": path} if server.local else
+                            {"key": key, "data": inline})
+                    call(server, "/update_weights", {"update_info": info})
+                if path is not None:
+                    os.unlink(path)  # (read by every server on this host by now)
+            for server in live:
+                call(server, "/finish_weight_update", {"weight_version": tag})
+                done = call(server, "/reset_prefix_cache")
+                if done is not None and done.get("success") is False:
+                    self._drop(server, "could not reset its prefix cache after the push "
+                               "(it would reuse the old weights' keys and values)")
+        finally:  # every server paused resumes, whatever became of the push (a server
+            # dropped on the way too: it may serve another run)
+            for server in paused:
+                with contextlib.suppress(ServerDown, RolloutServerError):
+                    self._call(server, "/resume")
+        if not any(s.alive for s in self.servers):
+            raise RolloutServerError("every rollout server is down after the push; the run's "
+                                     "last checkpoint is intact: resume with --resume_from "
+                                     "once they answer")
         if dist.world_size() > 1:
             dist.barrier()
         self.version = version
         self._made = {}
         self.push_seconds = time.perf_counter() - t0
+
+    def _bucket_file(self, blob: bytes) -> str:
+        """``blob`` as a file the servers on this host read (``/dev/shm`` where there is
+        one: memory, not disk)."""
+        if self._dir is None:
+            self._dir = tempfile.mkdtemp(prefix=f"posttrain-push-{self.run_id}-",
+                                         dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        path = os.path.join(self._dir, "bucket.safetensors")
+        with open(path, "wb") as f:
+            f.write(blob)
+        return path
 
     def close(self) -> None:
         if self._dir is not None:

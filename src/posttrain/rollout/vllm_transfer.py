@@ -14,9 +14,10 @@ It is registered by :func:`register`, which vLLM calls in each of its processes 
 general plugin (the ``vllm.general_plugins`` entry point in posttrain's package metadata),
 so a server finds it wherever posttrain is installed beside vLLM.
 
-A push must carry the run's key when the server was started with
-``POSTTRAIN_ROLLOUT_KEY`` in its environment (servers a run launches always are): vLLM's
-RL endpoints themselves take no API key. Only safetensors are read; nothing is unpickled.
+A push must carry the run's key, which the server reads from ``POSTTRAIN_ROLLOUT_KEY`` in
+its environment (servers a run launches always have it; a server without it refuses every
+push): vLLM's RL endpoints themselves take no API key. Only safetensors are read; nothing
+is unpickled.
 
 This module imports vLLM; only the server imports it."""
 
@@ -71,7 +72,11 @@ def _engine_classes():
 
         def _check(self, key: str) -> None:
             want = os.environ.get(KEY_ENV)
-            if want and not hmac.compare_digest(key.encode(), want.encode()):
+            if not want:
+                raise PermissionError(f"weight push refused: this server was started "
+                                      f"without {KEY_ENV}, so it cannot tell its trainer's "
+                                      "pushes from anyone's")
+            if not hmac.compare_digest(key.encode(), want.encode()):
                 raise PermissionError("weight push refused: it does not carry this "
                                       "server's run key")
 

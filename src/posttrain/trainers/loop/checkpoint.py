@@ -105,11 +105,15 @@ RESUMABLE_DIFFERENCES = frozenset({"max_steps", "max_tokens", "max_seconds", "re
                                    "output_dir", "overwrite",
                                    "on_nonfinite", "on_reward_error", "parallel",
                                    "cpu_offload", "tensorboard", "report_to",
-                                   "log_samples_every", "log_samples", "head_init"})
+                                   "log_samples_every", "log_samples", "head_init",
+                                   "rollout_servers", "launch_rollout_servers",
+                                   "rollout_server_devices", "rollout_server_args",
+                                   "rollout_timeout", "rollout_server_startup"})
 """Config keys a resumed run may change: how far to go, where to write, what to do on a
 non-finite value, how the ranks hold the model (checkpoints hold whole states, so a run
-resumes on any number of ranks, ddp or fsdp), what it reports and where. Every other key
-must be the checkpoint's."""
+resumes on any number of ranks, ddp or fsdp), what it reports and where, and which rollout
+servers sample (samples are seeded per request, whichever server draws them). Every other
+key must be the checkpoint's."""
 
 
 def run_config(cfg) -> dict:

@@ -80,7 +80,7 @@ def server_engine(cfg, policy, tokenizer):
                       seed=cfg.seed)
         urls = fleet.urls
     else:
-        key = cfg.rollout_server_key or os.environ.get("POSTTRAIN_ROLLOUT_KEY")
+        key = os.environ.get("POSTTRAIN_ROLLOUT_KEY")
         urls = cfg.server_urls
     options = ServerOptions(urls, key, cfg.rollout_timeout,
                             dtype=str(dtype).removeprefix("torch."),
