@@ -54,7 +54,8 @@ def one_run(model: str, setting: list[str], out: Path, steps: int, devices: str 
         if server_args:
             extra += ["--rollout_server_args", server_args]
     cmd = [sys.executable, "-m", "posttrain", "grpo", "--model", model, "--max_steps",
-           str(steps), "--eval_every", "0", "--tensorboard", "false", "--output_dir",
+           str(steps), "--eval_every", "0", "--log_every", "1", "--tensorboard", "false",
+           "--output_dir",
            str(out), "--overwrite", "true", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env())
     if proc.returncode:

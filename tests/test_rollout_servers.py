@@ -254,3 +254,36 @@ def test_a_run_whose_servers_all_stop_resumes_to_the_uninterrupted_weights(
     a = load_file(str(tmp_path / "whole" / "final" / "model.safetensors"))
     b = load_file(str(cut / "final" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.multiprocess
+def test_two_ranks_sampling_from_the_servers_compute_the_update_of_one(fakes, tmp_path):
+    """torchrun, 2 ranks on gloo: each rank sends its share of the requests, rank 0 pushes
+    and the ranks share its run id (else every other rank refuses every answer as stale);
+    the same per-request seeds draw the same samples, so the final weights are one
+    process's to float32 rounding of the gradient's sum (1e-5, as tests/test_distributed.py
+    derives for these runs)."""
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "POSTTRAIN_ROLLOUT_KEY": "k"}
+    args = ["-m", "posttrain", "grpo", "--rollout_backend", "vllm_server",
+            "--rollout_servers", ",".join(f.url for f in fakes), "--max_steps", "3",
+            "--prompts_per_step", "4", "--eval_every", "0", "--tensorboard", "false",
+            "--lr", "1e-5"]
+    finals = []
+    for ranks in (1, 2):
+        out = tmp_path / f"ranks-{ranks}"
+        launch = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                   "--standalone"] if ranks == 2 else [sys.executable])
+        cmd = [*launch, *args, "--output_dir", str(out)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        finals.append(load_file(str(out / "final" / "model.safetensors")))
+    a, b = finals
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-5)
