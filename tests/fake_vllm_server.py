@@ -8,8 +8,9 @@ posttrain's safetensors buckets, ``/finish_weight_update``, ``/reset_prefix_cach
 seeded by the request's seed alone, so which server draws a sample does not change it.
 
 Knobs for the tests: ``stall`` (an event: while set, generate calls hang as a SIGSTOPped
-server's would; ``stall_after`` sets it after that many pushes), ``ignore_pushes`` (a push
-that loads nothing: a broken transport), ``version`` (overwrite the version it reports: a
+server's would), ``dead`` (every connection closed unanswered, as a killed server's;
+``die_after`` sets it after that many pushes), ``ignore_pushes`` (a push that loads
+nothing: a broken transport), ``version`` (overwrite the version it reports: a
 server restarted on other weights)."""
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ class FakeServer:
         self.stall = threading.Event()
         self.released = threading.Event()  # (never set: stall's poll interval)
         self.ignore_pushes = False
-        self.stall_after: int | None = None  # pushes after which it stalls (None: never)
+        self.dead = False  # closes every connection unanswered, as a killed server's drops
+        self.die_after: int | None = None  # pushes after which it is dead (None: never)
         self.pushes = 0
         self.calls: list[str] = []
         self.lock = threading.Lock()
@@ -58,6 +60,9 @@ class FakeServer:
                 self._reply(*fake.handle("GET", self.path, None, self.headers))
 
             def do_POST(self):
+                if fake.dead:  # no answer: the client sees the connection dropped
+                    self.close_connection = True
+                    return
                 n = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(n)) if n else {}
                 self._reply(*fake.handle("POST", self.path, body, self.headers))
@@ -98,8 +103,8 @@ class FakeServer:
         if route == "/finish_weight_update":
             self.version = body["weight_version"]
             self.pushes += 1
-            if self.stall_after is not None and self.pushes >= self.stall_after:
-                self.stall.set()
+            if self.die_after is not None and self.pushes >= self.die_after:
+                self.dead = True
             return 200, {}
         if route in ("/pause", "/resume", "/start_weight_update", "/reset_prefix_cache"):
             return 200, {}

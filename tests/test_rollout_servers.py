@@ -28,6 +28,11 @@ from posttrain.rollout.vllm_server import (
 
 PROMPTS = ["12+3=", "40+41=", "7+45=", "30+5="]
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=6)
+STOPPED = 10.0
+"""The client's timeout where a fake server is stopped: the stopped one costs that long. A
+live fake answers a call's samples one after another (about 50 ms each here, so the last of
+8 queued ones in under half a second): ten seconds leaves a margin of 20× for a busy
+machine."""
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +127,7 @@ def test_a_stopped_server_is_named_and_its_requests_go_to_the_other(model_tok, f
     _, tok = model_tok
     reqs = _requests(tok)
     want = _engine(model_tok, fakes).generate(reqs, 2, PARAMS)
-    eng = _engine(model_tok, fakes, timeout=1.0)
+    eng = _engine(model_tok, fakes, timeout=STOPPED)
     fakes[1].stall.set()
     got = eng.generate(reqs, 2, PARAMS)
     _same(got, want)
@@ -134,7 +139,7 @@ def test_a_stopped_server_is_named_and_its_requests_go_to_the_other(model_tok, f
 
 def test_every_server_down_stops_the_run_in_one_line(model_tok, fakes):
     _, tok = model_tok
-    eng = _engine(model_tok, fakes, timeout=1.0)
+    eng = _engine(model_tok, fakes, timeout=STOPPED)
     for f in fakes:
         f.stall.set()
     with pytest.raises(RolloutServerError, match=r"every rollout server is down.*resume"):
@@ -226,20 +231,20 @@ def test_ppo_async_and_distill_sample_through_the_servers(command, fakes, tmp_pa
 @pytest.mark.slow
 def test_a_run_whose_servers_all_stop_resumes_to_the_uninterrupted_weights(
         fakes, tmp_path, monkeypatch, capsys):
-    """Every server stops answering after the push that follows step 2 (the guard's probe
-    is the first call to hang): the run stops with exit 2 in one line and its step-1
-    checkpoint intact; resumed once they answer, it ends with the weights of the run never
-    interrupted."""
+    """Every server dies after the push that follows step 2 (the guard's probe is the first
+    call it drops): the run stops with exit 2 in one line and its step-1 checkpoint intact;
+    resumed once they answer, it ends with the weights of the run never interrupted. (Dead,
+    not stopped: a dropped connection is named at once, whatever the machine's load, where
+    a timeout short enough for a test could also catch a slow answer.)"""
     from safetensors.torch import load_file
 
     monkeypatch.setenv("POSTTRAIN_ROLLOUT_KEY", "k")
     args = ["grpo", "--rollout_backend", "vllm_server", "--rollout_servers",
             ",".join(f.url for f in fakes), "--max_steps", "4", "--prompts_per_step", "4",
-            "--eval_every", "0", "--save_every", "1", "--tensorboard", "false",
-            "--rollout_timeout", "2"]
+            "--eval_every", "0", "--save_every", "1", "--tensorboard", "false"]
     assert main([*args, "--output_dir", str(tmp_path / "whole")]) == 0
     for f in fakes:
-        f.stall_after, f.pushes = 3, 0  # the start's push, then steps 1 and 2
+        f.die_after, f.pushes = 3, 0  # the start's push, then steps 1 and 2
     cut = tmp_path / "cut"
     assert main([*args, "--output_dir", str(cut)]) == 2
     err = capsys.readouterr().err
@@ -247,8 +252,7 @@ def test_a_run_whose_servers_all_stop_resumes_to_the_uninterrupted_weights(
     assert (cut / "checkpoint-1").exists() and not (cut / "checkpoint-2").exists()
     assert not (cut / "final").exists()
     for f in fakes:
-        f.stall_after = None
-        f.stall.clear()
+        f.die_after, f.dead = None, False
     assert main([*args, "--output_dir", str(cut), "--resume_from",
                  str(cut / "checkpoint-1")]) == 0
     a = load_file(str(tmp_path / "whole" / "final" / "model.safetensors"))

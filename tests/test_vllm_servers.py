@@ -144,7 +144,7 @@ def test_a_server_pushed_by_another_run_is_refused(model_tok, fleet):
 def test_a_stopped_server_times_out_and_its_requests_go_to_the_other(model_tok, fleet,
                                                                      capsys):
     model, tok = model_tok
-    eng = _engine(model, tok, fleet, timeout=5.0)
+    eng = _engine(model, tok, fleet, timeout=30.0)
     reqs = _requests(tok)
     want = eng.generate(reqs, 2, PARAMS)
     fleet.kill(1, signal.SIGSTOP)
