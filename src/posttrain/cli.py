@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="model directory, hub id, builtin, or a LoRA adapter directory")
     ev.add_argument("--task", default=None, help="'builtin': the built-in task's held-out split")
     ev.add_argument("--data", default=None, help="JSONL/Parquet prompts (plus reward columns)")
-    ev.add_argument("--reward", default=None, help="module:function or file.py:function")
+    ev.add_argument("--reward", default=None,
+                    help="one term: math, code, format, length, module:function or file.py:function")
     ev.add_argument("--n", type=int, default=500, help="examples from the built-in task")
     ev.add_argument("--max_new_tokens", type=int, default=16)
     ev.add_argument("--batch_size", type=int, default=64)
@@ -160,7 +161,7 @@ def _run_eval(args) -> int:
     from posttrain.config import ConfigError, check_device
     from posttrain.evaluate import evaluate_policy
     from posttrain.models import load_causal_lm, load_tokenizer
-    from posttrain.rewards import load_reward_function
+    from posttrain.rewards import load_reward
     from posttrain.rollout import make_engine
 
     for key in ("n", "max_new_tokens", "batch_size", "max_turns", "max_episode_tokens"):
@@ -174,12 +175,13 @@ def _run_eval(args) -> int:
             raise ConfigError(f"unknown task {args.task!r}; use --task builtin or --data")
         rows, reward_fn = task.rl_rows(args.n, "eval"), task.reward
         if args.reward:
-            reward_fn = load_reward_function(args.reward)
+            reward_fn = load_reward(args.reward).fn
     else:
         if not args.reward:
-            raise ConfigError("--data needs --reward module:function")
+            raise ConfigError("--data needs --reward (math, code, format, length, "
+                              "module:function or file.py:function)")
         _, rows = data_mod.load(args.data, "rl")
-        reward_fn = load_reward_function(args.reward)
+        reward_fn = load_reward(args.reward).fn
     tok = load_tokenizer(args.model, args.trust_remote_code)
     use_fast = args.fast == "true"
     model = fast.prepare_model(load_causal_lm(args.model, device=args.device,

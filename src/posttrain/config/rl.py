@@ -10,6 +10,7 @@ from typing import ClassVar
 
 from posttrain.config.base import RunConfig
 from posttrain.config.errors import ConfigError, check
+from posttrain.config.rewards import RewardFields
 from posttrain.config.servers import RolloutServerFields
 from posttrain.core.algorithms import Algorithm, algorithm_names, get_algorithm
 
@@ -19,20 +20,13 @@ command, so it is not one)."""
 
 
 @dataclass
-class RLConfig(RolloutServerFields, RunConfig):
+class RLConfig(RewardFields, RolloutServerFields, RunConfig):
     """On-policy RL with verifiable rewards (the critic-free algorithms of the table)."""
 
     COMMAND: ClassVar[str] = "grpo"
     ALGOS: ClassVar[list[str]] = algorithm_names(critic=False)
     algo: str = "grpo"
     """One of the table's algorithms without a critic: see `posttrain grpo --help`."""
-    reward: str | None = None
-    """Reward terms, comma-separated: builtin, module:function, file.py:function, rm:DIR;
-    none = builtin (the built-in task's exact-answer reward)."""
-    reward_weights: str | None = None
-    """Weights of the reward terms, comma-separated (default 1 each)."""
-    on_reward_error: str = "raise"
-    """raise: stop on a reward that fails or is NaN; skip: leave the sample out and count it."""
     env: str | None = None
     """Multi-turn episodes: an environment class, file.py:Name or module:Name, made once per
     sampled trajectory as Name(row, **env_kwargs) (docs/environments.md); builtin = the
@@ -241,6 +235,7 @@ class RLConfig(RolloutServerFields, RunConfig):
                "rollout_backend must be auto, hf, lean, vllm or vllm_server")
         self._check_engine()
         self._check_servers()
+        self._check_rewards()
         self._check_env()
         self._check_async()
         check(self.routing_replay in ("none", "r2", "r3"),
@@ -255,8 +250,8 @@ class RLConfig(RolloutServerFields, RunConfig):
             if self.tools:
                 raise ConfigError("--tools needs --reward: the terms that score each "
                                   "episode's answer")
-            raise ConfigError("--data needs --reward (module:function, file.py:function or "
-                              "rm:DIR)")
+            raise ConfigError("--data needs --reward (math, code, format, length, "
+                              "module:function, file.py:function or rm:DIR)")
         check(self.fast or self.rollout_backend != "lean",
               "rollout_backend=lean is part of the speed machinery that fast=false turns off")
         algo = self.algorithm()
@@ -278,7 +273,6 @@ class RLConfig(RolloutServerFields, RunConfig):
                    self.ppo_epochs, self.dynamic_sampling_rounds, self.max_new_tokens) >= 1,
                "prompts_per_step, minibatch_size, micro_batch_size, ppo_epochs, "
                "dynamic_sampling_rounds and max_new_tokens must be ≥ 1")
-        check(self.on_reward_error in ("raise", "skip"), "on_reward_error must be raise or skip")
         check(self.temperature > 0, f"temperature must be > 0 for RL sampling, got "
               f"{self.temperature}")
         check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")

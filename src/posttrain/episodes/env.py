@@ -28,7 +28,7 @@ import numbers
 import time
 from dataclasses import dataclass, field
 
-from posttrain.episodes.calls import Workers, timed
+from posttrain.calls import Workers, timed
 from posttrain.userfiles import load_object
 
 

@@ -123,7 +123,7 @@ def run_episodes(engine, tokenizer, spec: EnvSpec, rows: list[dict], n: int,
                 ep = Episode.of(spec, row, i + 1)
                 first = ep.reset()
             except EnvError as e:
-                if on_error != "skip":
+                if on_error == "raise":
                     raise
                 live.append(_Live(None, [tokenizer.eos_token_id], done=True, valid=False,
                                   error=str(e), env_s=time.perf_counter() - t0))
@@ -192,7 +192,7 @@ def _turns(engine, tokenizer, live, n, seeds, params, limits, on_error, renderer
             e.env_s += env_s
             got = stepped[k]
             if isinstance(got, EnvError):
-                if on_error != "skip":
+                if on_error == "raise":
                     raise got
                 e.done, e.valid, e.error = True, False, str(got)
                 continue

@@ -31,7 +31,7 @@ import contextlib
 import json
 import re
 
-from posttrain.episodes.calls import timed
+from posttrain.calls import timed
 from posttrain.episodes.env import load_object
 
 _JSON_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)

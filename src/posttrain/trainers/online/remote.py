@@ -51,7 +51,7 @@ def _serve(conn, cfg, extras, version: int, threads: int, flag) -> None:
         engine = build_engine(cfg, None, model, tok)
         train_rows, _ = rl_rows(cfg, tok)
         rewards = parse_rewards(cfg.reward or ("" if cfg.episodic else "builtin"),
-                                cfg.reward_weights, cfg.device)
+                                cfg.reward_weights, cfg.device, cfg.reward_options())
         x = experience_maker(cfg, cfg.algorithm(), engine, tok, rewards, train_rows)
         x.extras = extras
         producer = Producer(x, engine, cfg.async_staleness, cfg.max_steps, version,

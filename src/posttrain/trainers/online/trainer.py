@@ -107,7 +107,7 @@ class RLTrainer(Job):
         self.train_rows, self.eval_rows = self._rows()
         # episodes: the environment's turn rewards, plus any reward terms given
         self.rewards = parse_rewards(cfg.reward or ("" if cfg.episodic else "builtin"),
-                                     cfg.reward_weights, cfg.device)
+                                     cfg.reward_weights, cfg.device, cfg.reward_options())
         for term in self.rewards:  # reward models (rm:DIR) run the same forward speed-ups
             if isinstance(getattr(term.fn, "model", None), torch.nn.Module):
                 fast.prepare_model(term.fn.model, cfg.fast)

@@ -1,5 +1,6 @@
-"""Calls that may never return: an environment's construction, ``reset`` and ``step``, and a
-tool's function (:mod:`.env`, :mod:`.tools`), run where they cannot hold the process.
+"""Calls that may never return: an environment's construction, ``reset`` and ``step``, a
+tool's function (:mod:`posttrain.episodes`), a reward term (:mod:`posttrain.rewards`), run
+where they cannot hold the process.
 
 Python cannot stop a thread, so a call past its timeout is abandoned, not ended: it
 finishes, or not, in the background. It must not keep the process alive after that. The
