@@ -11,9 +11,9 @@ $py -c 'import torch, transformers; print("torch", torch.__version__, "transform
 transformers.__version__, torch.cuda.get_device_name())' 2>&1 | tee "$out/env.txt"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$out/env.txt"
 $py -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 || echo "editable install failed (see install.log)"
-timeout 120 $py -m pytest -q -p no:cacheprovider -n 0 -m gpu tests/test_gpu.py 2>&1 \
+timeout 300 $py -m pytest -q -p no:cacheprovider -n 0 -m gpu --durations=0 tests/test_gpu.py 2>&1 \
   | tee "$out/gpu_tests.log" | tail -20
-timeout 150 $py -m pytest -q -p no:cacheprovider -m "not gpu" -n 8 tests 2>&1 \
+timeout 300 $py -m pytest -q -p no:cacheprovider -m "not gpu" -n 12 tests 2>&1 \
   | tee "$out/suite.log" | tail -20
 timeout 300 $py benchmarks/gpu_speed.py 2>&1 | grep -v "Loading weights" \
   | tee "$out/gpu_speed.log"

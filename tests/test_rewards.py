@@ -74,7 +74,8 @@ def test_math_scores_every_equivalent_form_1_and_every_near_miss_0():
             want.append(0.0)
     assert len(want) >= 30
     got = math_reward([""] * len(want), completions, answers)
-    wrong = [(a, c, g) for a, c, g, w in zip(answers, completions, got, want) if g != w]
+    wrong = [(a, c, g) for a, c, g, w in zip(answers, completions, got, want, strict=True)
+             if g != w]
     assert not wrong, wrong[:5]
 
 
@@ -179,7 +180,7 @@ def test_workers_score_parts_of_the_batch_at_once_and_keep_its_order():
 
     term = RewardTerm("n", fn, workers=3, timeout=BOUND_S)
     completions = [str(i) for i in range(10)]
-    total, per, valid = _bounded(score, [term], [""] * 10, completions, {})
+    _, per, valid = _bounded(score, [term], [""] * 10, completions, {})
     assert per["n"].tolist() == [float(i) for i in range(10)]
     assert len(threads) == 3 and valid.all()
 
@@ -203,14 +204,14 @@ def test_a_term_past_its_timeout_fails_its_samples_and_the_batch_goes_on(on_erro
                                                   r"samples 2-3"):
                 _bounded(score, [term], [""] * 4, completions, {}, on_error)
             return
-        total, per, valid = _bounded(score, [term], [""] * 4, completions, {}, on_error)
+        _, per, valid = _bounded(score, [term], [""] * 4, completions, {}, on_error)
         if on_error == "skip":
             assert valid.tolist() == [True, True, False, False]
         else:
             assert valid.all() and per["slow"].tolist() == [1.0, 1.0, 0.0, 0.0]
             assert per["slow_failed"].tolist() == [0.0, 0.0, 1.0, 1.0]
         # the abandoned pool is replaced: the next batch is scored by fresh workers
-        total, per, valid = _bounded(score, [term], [""] * 2, ["ok", "ok"], {}, on_error)
+        _, per, valid = _bounded(score, [term], [""] * 2, ["ok", "ok"], {}, on_error)
         assert per["slow"].tolist() == [1.0, 1.0]
     finally:
         release.set()
@@ -222,7 +223,7 @@ def test_zero_scores_a_raising_sample_0_and_counts_it():
             raise ValueError("boom")
         return [2.0] * len(completions)
 
-    total, per, valid = score([RewardTerm("f", fn)], [""] * 3, ["a", "boom", "b"], {}, "zero")
+    _, per, valid = score([RewardTerm("f", fn)], [""] * 3, ["a", "boom", "b"], {}, "zero")
     assert per["f"].tolist() == [2.0, 0.0, 2.0] and valid.all()
     assert per["f_failed"].tolist() == [0.0, 1.0, 0.0]
 

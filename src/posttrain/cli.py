@@ -95,8 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="model directory, hub id, builtin, or a LoRA adapter directory")
     ev.add_argument("--task", default=None, help="'builtin': the built-in task's held-out split")
     ev.add_argument("--data", default=None, help="JSONL/Parquet prompts (plus reward columns)")
-    ev.add_argument("--reward", default=None,
-                    help="one term: math, code, format, length, module:function or file.py:function")
+    ev.add_argument("--reward", default=None, help="one term: math, code, format, length, "
+                    "module:function or file.py:function")
     ev.add_argument("--n", type=int, default=500, help="examples from the built-in task")
     ev.add_argument("--max_new_tokens", type=int, default=16)
     ev.add_argument("--batch_size", type=int, default=64)

@@ -89,6 +89,7 @@ def shard(model: torch.nn.Module, cfg) -> torch.nn.Module:
     fully_shard(top, **kw)
     fully_shard(model, **kw)  # the root (it holds whatever parameters the others do not)
     model.posttrain_sharded = True
+    model.posttrain_device = device  # (offloaded shards report the host: see compute_device)
     with torch.no_grad():  # FSDP sets its units up on the root's first forward
         model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device))
     for m in model.modules():
@@ -96,6 +97,13 @@ def shard(model: torch.nn.Module, cfg) -> torch.nn.Module:
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
     return model
+
+
+def compute_device(model: torch.nn.Module) -> torch.device:
+    """Where ``model`` computes: its parameters' device, or for a sharded model the device
+    it was sharded from. With ``--cpu_offload`` the shards live in host memory between
+    uses, so their device says ``cpu`` while every forward runs on the GPU."""
+    return getattr(model, "posttrain_device", None) or next(model.parameters()).device
 
 
 def lockstep(count: int, model) -> int:

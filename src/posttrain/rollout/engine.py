@@ -52,6 +52,7 @@ from posttrain.rollout.types import (
     request_seed,
     request_uniforms,
 )
+from posttrain.sharding import compute_device
 
 __all__ = ["CDF_BLOCK", "DecodingEngine", "RolloutEngine", "compaction", "request_seed",
            "request_uniforms", "sample_tokens"]
@@ -323,7 +324,7 @@ class DecodingEngine(RolloutEngine):
         model, tokenizer = self.model, self.tokenizer
         params = params or SamplingParams()
         params.validate()
-        device = next(model.parameters()).device
+        device = compute_device(model)
         pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
         prompt_ids = [list(r.prompt_ids) for r in requests]
         P, Lp = len(prompt_ids), max(len(x) for x in prompt_ids)

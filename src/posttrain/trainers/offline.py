@@ -30,6 +30,7 @@ from posttrain.models import (
     sequence_scores,
     shared_prompt_logprobs,
 )
+from posttrain.sharding import compute_device
 from posttrain.trainers import loop, trained
 from posttrain.trainers.loop import Job, Optim, StepResult
 
@@ -105,7 +106,7 @@ class OfflineJob(Job):
                  eval_examples: list):
         self.cfg, self.model, self.tokenizer = cfg, model, tokenizer
         self.train_examples, self.eval_examples = train_examples, eval_examples
-        self.device = next(model.parameters()).device
+        self.device = compute_device(model)
         self.name = cfg.COMMAND
         self.stream = ExampleStream(len(train_examples), cfg.seed)
         if cfg.batch_size % dist.world_size():

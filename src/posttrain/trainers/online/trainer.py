@@ -49,6 +49,7 @@ from posttrain.models import (
 )
 from posttrain.models.weights import hf_weights
 from posttrain.rewards import parse_rewards
+from posttrain.sharding import compute_device
 from posttrain.trainers import loop, trained
 from posttrain.trainers.loop.job import Job, StepResult
 from posttrain.trainers.loop.optim import Optim
@@ -84,7 +85,7 @@ class RLTrainer(Job):
             cfg, name, trained=True))
         self.sharded = cfg.parallel == "fsdp"
         self.sampler = sampler_module(cfg, self.policy, self.sharded)
-        self.device = next(self.policy.parameters()).device
+        self.device = compute_device(self.policy)
         self.moe = routing.is_moe(self.policy)
         """A mixture-of-experts policy: its passes run whole sequences (the layout routing is
         recorded and replayed in) unless share_prompt is set, and the step logs router/*."""
