@@ -247,3 +247,85 @@ def test_a_reward_that_never_returns_does_not_keep_the_process_alive(tmp_path):
                           timeout=BOUND_S)
     assert done.returncode == 0, done.stderr
     assert "scored [1.0]" in done.stdout
+
+
+# --- the docs' example, end to end ---------------------------------------------------------
+
+@pytest.mark.slow
+def test_grpo_with_math_and_format_on_the_shipped_math_set(tiny_model_dir, tmp_path):
+    """docs/rewards.md's command on the tiny model: the terms are made by name from the
+    run's keys, scored on the sampler's completions, and logged one by one."""
+    pytest.importorskip("math_verify")
+    from posttrain.cli import main
+
+    out = tmp_path / "run"
+    code = main(["grpo", "--model", tiny_model_dir, "--data", str(DATA / "math.jsonl"),
+                 "--reward", "math,format", "--reward_weights", "1,0.2",
+                 "--reward_workers", "2", "--output_dir", str(out), "--max_steps", "2",
+                 "--prompts_per_step", "2", "--group_size", "2", "--max_new_tokens", "8",
+                 "--max_length", "160", "--eval_every", "0", "--device", "cpu",
+                 "--tensorboard", "false", "--log_every", "1"])
+    assert code == 0
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in rows if "reward/math" in r]
+    assert len(logged) == 2 and all("reward/format" in r and "time/reward_s" in r
+                                    for r in logged)
+
+
+# --- code -----------------------------------------------------------------------------------
+
+def _code_reward(mode: str = "all", timeout: float = 10.0):
+    from posttrain.rewards import CodeReward
+    from posttrain.sandbox import available_levels
+
+    levels = available_levels()
+    if not levels:
+        pytest.skip("no sandbox level works on this machine")
+    return CodeReward(levels[0], mode, timeout)
+
+
+def test_code_scores_each_reference_1_and_each_wrong_solution_0():
+    """data/code.jsonl: every problem's reference solution passes its tests, and its wrong
+    one fails them, run in the sandbox."""
+    reward = _code_reward()
+    rows = _rows("code.jsonl")
+    n = len(rows)
+    got = reward([r["prompt"] for r in rows] * 2, [r["reference"] for r in rows]
+                 + [r["wrong"] for r in rows], [r["tests"] for r in rows] * 2)
+    assert got == [1.0] * n + [0.0] * n
+
+
+def test_code_gives_no_credit_to_early_exits_forged_reports_or_broken_set_up():
+    reward = _code_reward("share", timeout=2.0)  # (one program never ends)
+    tests = "import math\nassert f(1) == 2\nassert f(2) == 3\nassert f(3) == 5"
+    completions = [
+        "def f(x):\n    return x + 1\n",                              # 2 of 3 asserts
+        "```python\ndef f(x):\n    return x + 1\n```\ntext after",    # the same, fenced
+        "import os\ndef f(x):\n    return x + 1\nos._exit(0)",          # exits before the tests
+        "import sys\nprint('x 3 0')\nsys.exit(0)",                      # a forged report line
+        "def f(x) return",                                              # a syntax error
+        "while True:\n    pass",                                        # past the time limit
+    ]
+    got = reward([""] * 6, completions, [tests] * 6)
+    assert got[:2] == [2 / 3, 2 / 3] and got[2:] == [0.0] * 4
+    assert _code_reward("all")([""], [completions[0]], [tests]) == [0.0]
+    bad_setup = "import not_a_module\nassert f(1) == 2"
+    assert reward([""], [completions[0]], [bad_setup]) == [0.0]
+    with pytest.raises(ValueError, match="not valid Python"):
+        reward([""], [completions[0]], ["assert ("])
+
+
+def test_code_refuses_resource_limits_alone_unless_asked(monkeypatch):
+    """auto on a machine that offers only resource limits: one line saying what that leaves
+    open and how to accept it."""
+    import posttrain.sandbox.run as sandbox_run
+    from posttrain.rewards import CodeReward
+    from posttrain.sandbox import SandboxError
+
+    # (the probes' verdicts as on such a machine: nothing is run)
+    monkeypatch.setitem(sandbox_run._why_not, "bwrap", "not here (test)")
+    monkeypatch.setitem(sandbox_run._why_not, "namespaces", "not here (test)")
+    monkeypatch.setitem(sandbox_run._why_not, "rlimits", None)
+    with pytest.raises(SandboxError, match="--sandbox rlimits"):
+        CodeReward("auto")
+    assert CodeReward("rlimits").box.level == "rlimits"

@@ -93,7 +93,7 @@ class CodeReward:
 
         if mode not in ("all", "share"):
             raise ValueError(f"code_reward_mode must be all or share, got {mode!r}")
-        self.box = Sandbox(isolation, Limits(wall_s=timeout))
+        self.box = Sandbox(isolation, Limits(cpu_s=timeout, wall_s=timeout))
         if self.box.level == "rlimits" and isolation != "rlimits":
             raise SandboxError(
                 "reward code: this machine isolates programs by resource limits alone (no "
