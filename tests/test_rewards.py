@@ -329,3 +329,19 @@ def test_code_refuses_resource_limits_alone_unless_asked(monkeypatch):
     with pytest.raises(SandboxError, match="--sandbox rlimits"):
         CodeReward("auto")
     assert CodeReward("rlimits").box.level == "rlimits"
+
+
+@pytest.mark.slow
+def test_grpo_with_the_math_reward_learns_the_built_in_task(tmp_path):
+    """The issue's target: `posttrain grpo --reward math` (the quick start's defaults, the
+    built-in task's answers checked by math-verify) reaches ≥ 90% held-out greedy accuracy.
+    Measured 95.4% (docs/rewards.md); the built-in exact-answer reward gives the same curve
+    on this task, where an equivalent answer is the exact one."""
+    pytest.importorskip("math_verify")
+    from posttrain.cli import main
+
+    out = tmp_path / "run"
+    assert main(["grpo", "--reward", "math", "--output_dir", str(out), "--device", "cpu",
+                 "--tensorboard", "false"]) == 0
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["eval/accuracy"] >= 0.90, rows[-1]
