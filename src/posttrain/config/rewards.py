@@ -27,8 +27,8 @@ class RewardFields:
     fail (on_reward_error); 0 = no limit (the call then runs on the caller's thread)."""
     sandbox: str = "auto"
     """reward code: where the programs run: auto (the strongest level this machine offers),
-    bwrap, namespaces, or rlimits (resource limits only: asked for by name, never chosen by
-    auto). docs/rewards.md says what each level stops."""
+    bwrap, namespaces, or rlimits (resource limits only: the code reward takes it only when
+    named here). docs/rewards.md says what each level stops."""
     code_reward_mode: str = "all"
     """reward code: all = 1 when every test passes, else 0; share = the share passed."""
     code_timeout: float = 10.0
