@@ -103,8 +103,11 @@ class CodeReward:
         self.mode = mode
         log.info("reward code: programs run in the sandbox at level %s", self.box.level)
 
-    def __call__(self, prompts: list[str], completions: list[str], tests: list[str],
-                 **_) -> list[float]:
+    def __call__(self, prompts: list[str], completions: list[str],
+                 tests: list[str] | None = None, **_) -> list[float]:
+        if tests is None:
+            raise ValueError("the data has no 'tests' column (Python source with asserts, "
+                             "one per row)")
         out = []
         for completion, row_tests in zip(completions, tests, strict=True):
             if not isinstance(row_tests, str) or not row_tests.strip():

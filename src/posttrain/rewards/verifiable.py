@@ -70,11 +70,14 @@ def _parsed(mv, text: str, timeout):
     return got if got else mv.parse(text, parsing_timeout=timeout)
 
 
-def math_reward(prompts: list[str], completions: list[str], answer: list, **_) -> list[float]:
+def math_reward(prompts: list[str], completions: list[str], answer: list | None = None,
+                **_) -> list[float]:
     """1.0 when the completion's final answer (:func:`final_answer`) is mathematically
     equivalent to the row's ``answer`` (math-verify: LaTeX, fractions, decimals, sets,
     intervals, units as it supports), else 0.0. An ``answer`` math-verify cannot read is
     an error (a data error, named with its row by the scorer)."""
+    if answer is None:
+        raise ValueError("the data has no 'answer' column (the reference answer of each row)")
     mv = require_math_verify()
     # math-verify bounds its own parsing and checking with SIGALRM, which only the main
     # thread can use; on a worker thread the run's reward_timeout bounds the call instead
