@@ -17,10 +17,8 @@ past ``code_timeout`` scores 0. A row whose tests are not valid Python is a data
 from __future__ import annotations
 
 import ast
-import logging
 import secrets
-
-log = logging.getLogger("posttrain")
+import sys
 
 
 def extract_code(completion: str) -> str:
@@ -101,7 +99,9 @@ class CodeReward:
                 "off the network or the trainer's files; install bubblewrap, or accept that "
                 "with --sandbox rlimits (docs/rewards.md)")
         self.mode = mode
-        log.info("reward code: programs run in the sandbox at level %s", self.box.level)
+        # (once per run, where the run's other one-time lines go)
+        print(f"reward code: programs run in the sandbox at level {self.box.level}",
+              file=sys.stderr)
 
     def __call__(self, prompts: list[str], completions: list[str],
                  tests: list[str] | None = None, **_) -> list[float]:
