@@ -7,8 +7,12 @@ Every run of a level is checked (status 0, stdout ``1``); the levels and the flo
 within each N, so a machine that drifts moves them alike. It leaves out what a run costs
 beyond start-up (the program's own work).
 
+Also, per level, how long after its wall limit (3 s) a program that never ends comes back
+killed (the promise: within the limit plus one second; the tests only check that it comes
+back), the worst of five.
+
 Usage: python benchmarks/sandbox_speed.py [--runs 200] [--threads 1,2,4] [--levels all]
-Prints one JSON line per measurement and a Markdown table.
+Prints one JSON line per measurement and Markdown tables.
 """
 
 from __future__ import annotations
@@ -75,6 +79,23 @@ def main(argv: list[str] | None = None) -> None:
         row = [rates[name, n] for n in threads]
         label = f"`{name}` (floor)" if name == FLOOR else name
         print(f"| {label} | " + " | ".join(f"{r:.1f}" for r in row) + f" | {max(row):.1f} |")
+    print("\n| level | an endless loop under a 3 s wall limit: back after (worst of 5) |")
+    print("|---|---|")
+    for level in levels:
+        print(f"| {level} | {_killed_back_after(level):.2f} s |")
+
+
+def _killed_back_after(level: str, wall: float = 3.0, repeats: int = 5) -> float:
+    """Seconds from the call to its return for ``while True: pass``, the worst of
+    ``repeats``; each must come back killed at the wall limit."""
+    box = Sandbox(level)
+    worst = 0.0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        r = box.run_python("while True:\n    pass\n", wall_s=wall)
+        worst = max(worst, time.perf_counter() - t0)
+        assert r.timed_out, r
+    return worst
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 contract (output, stdin, tracebacks, threads, errors).
 
 Each hostile program exits 0 only if its attack worked, so "it failed" means "it was
-stopped". After each one: the call returned within its wall limit plus a second (a bound on
-a wait, not a speed claim: a working sandbox ends far inside it), no process of the run is
+stopped". After each one: the call returned (a hang fails; how soon after the wall limit is
+measured in benchmarks/sandbox_speed.py), no process of the run is
 left (each program prints its own path first; every process it forks carries that path in
 its command line), its directory is gone, nothing it names is left outside it, and this
 process is alive. Where a level cannot keep a promise (the rlimits level does not cut the
@@ -18,7 +18,6 @@ import shutil
 import socket
 import tempfile
 import threading
-import time
 import uuid
 
 import pytest
@@ -27,6 +26,7 @@ from posttrain.sandbox import Limits, Result, Sandbox, SandboxError, available_l
 
 LEVELS = ("bwrap", "namespaces", "rlimits")
 WALL = 3.0
+HANG_S = 60.0
 ROOT = os.geteuid() == 0
 # Small enough that the memory and process bombs stay cheap; the wall limit is generous.
 LIMITS = Limits(cpu_s=10, wall_s=WALL, memory_mb=256, processes=32, file_mb=4,
@@ -55,7 +55,9 @@ def cannot(box: Sandbox, *levels: str, why: str, root_too: bool = False) -> None
 
 
 def call(box: Sandbox, source: str, stdin: str = "", wall_s: float = WALL) -> Result:
-    """``box.run_python`` in a thread, which must end within ``wall_s`` + 1 s."""
+    """``box.run_python`` in a thread, which must return: a call still running after
+    HANG_S (twenty times the wall limit) hangs. How soon after the wall limit a killed run
+    returns is measured by benchmarks/sandbox_speed.py, not asserted here."""
     out: dict = {}
 
     def target():
@@ -65,10 +67,9 @@ def call(box: Sandbox, source: str, stdin: str = "", wall_s: float = WALL) -> Re
             out["error"] = e
 
     thread = threading.Thread(target=target, daemon=True)
-    deadline = time.monotonic() + (wall_s + 1.0)
     thread.start()
-    thread.join(deadline - time.monotonic())
-    assert not thread.is_alive(), f"run_python still running {wall_s + 1} s after its start"
+    thread.join(HANG_S)
+    assert not thread.is_alive(), f"run_python still running {HANG_S:g} s after its start"
     if "error" in out:
         raise out["error"]
     return out["result"]
@@ -303,9 +304,8 @@ def test_concurrent_calls_each_get_their_own_result(box):
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 60
     for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
+        t.join(HANG_S)
     assert not any(t.is_alive() for t in threads)
     for i in range(4):
         assert [r.stdout for r in results[i]] == [f"{i * 1000 + j}\n" for j in range(3)]
