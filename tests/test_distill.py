@@ -158,11 +158,18 @@ def test_the_student_learns_the_teacher(tmp_path):
     assert (out / "final" / "model.safetensors").exists()
 
 
-def test_a_resumed_distillation_ends_with_the_weights_of_the_whole_run(tmp_path):
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_a_resumed_distillation_ends_with_the_weights_of_the_whole_run(tmp_path, staleness):
+    """Also with rollouts one version behind (a producer thread: the sampler side every RL
+    command uses), whose batches the checkpoint keeps."""
     args = [*SMALL, "--model", "builtin", "--teacher", str(builtin_model_dir()), "--lr",
             "1e-3", "--save_every", "2", "--max_steps", "4"]
+    if staleness:
+        args += ["--async_staleness", str(staleness), "--async_producer", "thread"]
     whole, part = tmp_path / "whole", tmp_path / "part"
     assert main([*args, "--output_dir", str(whole)]) == 0
+    lags = [r["async/staleness"] for r in _rows(whole) if "async/staleness" in r]
+    assert lags == ([0.0, 1.0, 1.0, 1.0] if staleness else [])
     import shutil
 
     part.mkdir()

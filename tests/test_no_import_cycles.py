@@ -141,3 +141,13 @@ def test_no_import_cycle_among_posttrain_modules():
     assert "posttrain.rollout.types" in graph  # (the tree was found)
     found = cycles(graph)
     assert not found, "import cycles:\n" + "\n".join(" -> ".join(c) for c in found)
+
+
+MAX_LINES = 450
+"""A module longer than this holds more than one room of the house (docs/design.md)."""
+
+
+def test_no_module_is_longer_than_the_limit():
+    long = {str(p.relative_to(SRC)): n for p in sorted(SRC.rglob("*.py"))
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"

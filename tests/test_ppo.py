@@ -17,6 +17,7 @@ from bounds import assert_within, model_inner, model_stages, pair_bound
 from posttrain.core import RunningMoments
 from posttrain.trainers.loop.checkpoint import read_optimizer, save_optimizer
 from posttrain.trainers.online import PPOConfig, RLTrainer, TokenBatch, run_rl
+from posttrain.trainers.online.critic import critic_source
 from rl_steps import rl_step
 
 RECORD_KEYS = ("critic/value_loss", "critic/explained_variance", "critic/value_clip_frac",
@@ -282,36 +283,38 @@ def test_running_moments_match_float64_of_finite_values():
     assert (one.mean, one.std) == (5.0, 1.0)  # one value: no spread yet, std 1
 
 
-def test_shape_scores_penalty_normalisation_and_clip(tiny_model_dir, tmp_path):
+def test_shape_scores_penalty_normalisation_and_clip():
     """The missing-EOS penalty hits only truncated samples; normalisation uses the running
     moments of every valid score so far (two calls); the clip bounds the result."""
-    trainer = RLTrainer(_cfg(tiny_model_dir, tmp_path, algo="reinforce_pp"))
-    cfg = trainer.cfg
+    from posttrain.trainers.online.shaping import ScoreShaper
+
+    cfg = SimpleNamespace(missing_eos_penalty=0.0, reward_normalize=False, reward_clip=0.0)
+    shaper = ScoreShaper(cfg)
     ro = SimpleNamespace(truncated=torch.tensor([True, False, False, True]))
     scores = torch.tensor([1.0, 2.0, 3.0, 4.0])
     valid = torch.ones(4, dtype=torch.bool)
 
-    torch.testing.assert_close(trainer.experience.shape_scores(scores, ro, valid), scores)
+    torch.testing.assert_close(shaper(scores, ro, valid), scores)
     cfg.missing_eos_penalty = 0.5
-    torch.testing.assert_close(trainer.experience.shape_scores(scores, ro, valid),
+    torch.testing.assert_close(shaper(scores, ro, valid),
                                torch.tensor([0.5, 2.0, 3.0, 3.5]))
-    assert trainer.experience.score_moments.count == 0  # no normalisation asked: moments untouched
+    assert shaper.moments.count == 0  # no normalisation asked: moments untouched
 
     cfg.missing_eos_penalty = 0.0
     cfg.reward_normalize = True
-    first = trainer.experience.shape_scores(scores, ro, valid)
+    first = shaper(scores, ro, valid)
     torch.testing.assert_close(first, (scores - 2.5) / scores.std())
     second_in = torch.tensor([10.0, -2.0, 0.0, 5.0])
     second_valid = torch.tensor([True, True, False, True])  # 0.0 is a skipped sample
-    second = trainer.experience.shape_scores(second_in, ro, second_valid)
+    second = shaper(second_in, ro, second_valid)
     seen = torch.tensor([1.0, 2.0, 3.0, 4.0, 10.0, -2.0, 5.0], dtype=torch.float64)
-    assert trainer.experience.score_moments.count == 7
+    assert shaper.moments.count == 7
     expected = ((second_in.double() - seen.mean()) / seen.std()).float()
     torch.testing.assert_close(second, expected)
 
     cfg.reward_clip = 0.5
-    clipped = trainer.experience.shape_scores(second_in, ro, torch.zeros(4, dtype=torch.bool))
-    assert trainer.experience.score_moments.count == 7  # nothing valid: moments unchanged
+    clipped = shaper(second_in, ro, torch.zeros(4, dtype=torch.bool))
+    assert shaper.moments.count == 7  # nothing valid: moments unchanged
     torch.testing.assert_close(clipped, expected.clamp(-0.5, 0.5))
     assert clipped.abs().max() == 0.5 and (clipped.abs() < 0.5).any()
 
@@ -372,19 +375,19 @@ def test_critic_starts_from_reward_model_critic_model_or_policy(tiny_model_dir, 
     assert not torch.equal(rm["score.weight"], other["score.weight"])
 
     from_rm = RLTrainer(_cfg(tiny_model_dir, tmp_path / "a", reward=f"rm:{rm_dir}"))
-    assert from_rm.critic_source() == str(rm_dir)
+    assert critic_source(from_rm.cfg, from_rm.tok, from_rm.rewards) == str(rm_dir)
     for k, v in from_rm.critic.state_dict().items():
         assert torch.equal(v, rm[k]), k
 
     explicit = RLTrainer(_cfg(tiny_model_dir, tmp_path / "b", reward=f"rm:{rm_dir}",
                               critic_model=str(other_dir)))
-    assert explicit.critic_source() == str(other_dir)
+    assert critic_source(explicit.cfg, explicit.tok, explicit.rewards) == str(other_dir)
     for k, v in explicit.critic.state_dict().items():
         assert torch.equal(v, other[k]), k
 
     for reward in ("builtin", f"rm:{rm_dir},builtin"):  # not a single rm: term
         fresh = RLTrainer(_cfg(tiny_model_dir, tmp_path / "c", reward=reward))
-        assert fresh.critic_source() == tiny_model_dir
+        assert critic_source(fresh.cfg, fresh.tok, fresh.rewards) == tiny_model_dir
         actor = fresh.policy.state_dict()
         critic = fresh.critic.state_dict()
         backbone = [k for k in critic if k != "score.weight"]
@@ -512,5 +515,5 @@ def test_critic_not_from_a_reward_model_with_another_vocabulary(tiny_model_dir, 
     save_model(rm, tok, tmp_path / "rm")
     with caplog.at_level("WARNING"):
         trainer = RLTrainer(_cfg(tiny_model_dir, tmp_path / "run", reward=f"rm:{tmp_path}/rm"))
-    assert trainer.critic_source() == tiny_model_dir
+    assert critic_source(trainer.cfg, trainer.tok, trainer.rewards) == tiny_model_dir
     assert "another vocabulary" in caplog.text

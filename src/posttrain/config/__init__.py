@@ -191,8 +191,9 @@ def dump(cfg, path: str | Path) -> None:
 
 # (last: config.rl imports ConfigError and check from this package)
 from posttrain.config.base import RunConfig, check_device  # noqa: E402
+from posttrain.config.distill import DistillConfig  # noqa: E402
 from posttrain.config.offline import DPOConfig, OfflineConfig, RMConfig, SFTConfig  # noqa: E402
-from posttrain.config.rl import DistillConfig, PPOConfig, RLConfig  # noqa: E402
+from posttrain.config.rl import PPOConfig, RLConfig  # noqa: E402
 
 __all__ = ["ConfigError", "DPOConfig", "DistillConfig", "OfflineConfig", "PPOConfig", "RLConfig",
            "RMConfig", "RunConfig", "SFTConfig", "apply", "check", "check_device", "dump",

@@ -12,6 +12,7 @@ from posttrain.config.base import RunConfig
 from posttrain.config.errors import ConfigError, check
 from posttrain.config.rewards import RewardFields
 from posttrain.config.servers import RolloutServerFields
+from posttrain.config.sides import SamplerSideFields
 from posttrain.core.algorithms import Algorithm, algorithm_names, get_algorithm
 
 ALGORITHM_KEYS = tuple(f.name for f in fields(Algorithm) if f.name not in ("name", "critic"))
@@ -20,7 +21,7 @@ command, so it is not one)."""
 
 
 @dataclass
-class RLConfig(RewardFields, RolloutServerFields, RunConfig):
+class RLConfig(SamplerSideFields, RewardFields, RolloutServerFields, RunConfig):
     """On-policy RL with verifiable rewards (the critic-free algorithms of the table)."""
 
     COMMAND: ClassVar[str] = "grpo"
@@ -189,29 +190,6 @@ class RLConfig(RewardFields, RolloutServerFields, RunConfig):
     tracker (``posttrain samples RUN_DIR`` prints them); 0 = none."""
     log_samples: int = 8
     """Samples per table (the step's first ones: whole groups together)."""
-    async_staleness: int = 0
-    """Asynchronous rollouts (docs/async.md): a producer thread samples step s's batch with
-    the policy of step s-1-K while the learner trains steps s-K..s-1, so sampling and
-    training overlap; no sample is more than K versions old. The loss then takes the
-    learner's own pass as the proximal policy and corrects for the behaviour policy
-    (decoupled PPO; rollout_correction auto = token_truncate). 0 = the synchronous loop."""
-    async_producer: str = "auto"
-    """With async_staleness: where the producer runs. thread: beside the learner in this
-    process (one interpreter lock between them); process: a process of its own with its
-    own copy of the policy (its own interpreter: small models overlap there); auto =
-    process for a single process sampling with hf or lean, thread under torchrun, with
-    vllm or a 4-bit base (docs/async.md)."""
-    async_cores: str = "split"
-    """With a producer process: how it and the learner share the CPU cores. split: half
-    each, fixed (reproducible, exact resume); adaptive: the learner takes every core while
-    the producer waits for an environment or for weights (faster where the producer mostly
-    waits; the learner's rounding then depends on timing, so a run is not bit-for-bit
-    reproducible). docs/async.md."""
-    partial_rollouts: bool = False
-    """With async_staleness and episodes: an episode in flight when a newer policy is
-    published continues its next turns under it (each token's behaviour log-prob and
-    version from the weights that sampled it). Faster to pick up new weights; the run then
-    depends on timing, so it is not reproducible (docs/async.md)."""
     eval_every: int = 20
     warmup_ratio: float = 0.0
     lr_schedule: str = "constant"
@@ -322,42 +300,6 @@ class RLConfig(RewardFields, RolloutServerFields, RunConfig):
             raise ConfigError(str(e)) from None
         if self.env == "builtin" and self.model == "builtin":
             self.model = "builtin-episodes"  # the built-in model SFT'd on the task's protocol
-
-    def _check_async(self) -> None:
-        check(self.async_staleness >= 0, f"async_staleness must be ≥ 0 (0 = synchronous), "
-              f"got {self.async_staleness}")
-        check(self.async_producer in ("auto", "thread", "process"),
-              "async_producer must be auto, thread or process")
-        from posttrain.trainers.online.cores import MODES
-
-        check(self.async_cores in MODES,
-              f"async_cores must be {' or '.join(MODES)}, got {self.async_cores!r}")
-        if not self.async_process:
-            self.refuse(("async_cores",), "a run without a producer process (async_cores "
-                        "shares the cores between the learner and async_producer process)")
-        if not self.async_staleness:
-            self.refuse(("partial_rollouts",), "the synchronous loop (async_staleness 0): a "
-                        "rollout there never sees the weights change")
-            self.refuse(("async_producer",), "the synchronous loop (async_staleness 0)")
-        elif self.async_producer == "process":
-            from posttrain import dist
-
-            check(not dist.launched(), "async_producer=process runs one producer for one "
-                  "process; under torchrun use async_producer thread (or auto)")
-            check(not self.vllm_engine and not self.load_in_4bit,
-                  "async_producer=process samples with hf or lean from a full-precision "
-                  "copy; with vllm or load_in_4bit use async_producer thread (or auto)")
-
-    @property
-    def async_process(self) -> bool:
-        """The asynchronous producer runs in a process of its own (``async_producer``)."""
-        if not self.async_staleness or self.async_producer == "thread":
-            return False
-        if self.async_producer == "process":
-            return True
-        from posttrain import dist
-
-        return not dist.launched() and not self.vllm_engine and not self.load_in_4bit
 
     @property
     def vllm_engine(self) -> bool:
@@ -472,49 +414,3 @@ class PPOConfig(RLConfig):
         if self.value_clip is not None:
             out["value_clip"] = self.value_clip or None  # 0: the plain ½(V - R)²
         return out
-
-
-
-@dataclass
-class DistillConfig(RLConfig):
-    """``posttrain distill``: on-policy distillation on the RL loop (docs/algorithms.md). The
-    student samples; the teacher's whole next-token distribution at every sampled position
-    is the target; the loss is the per-token divergence of ``beta``. The reward terms are
-    scored and logged (accuracy, the sample tables), and train with ``reward_coef``."""
-
-    COMMAND: ClassVar[str] = "distill"
-    teacher: str | None = None
-    """The teacher: a model directory, hub id or builtin, with the student's vocabulary
-    (required)."""
-    beta: float = 1.0
-    """The divergence: 1 = reverse KL(student‖teacher), 0 = forward KL(teacher‖student),
-    between = the generalised Jensen–Shannon divergence of that β."""
-    reward_coef: float = 0.0
-    """Also train on the reward terms: this weight times the algorithm's clipped
-    policy-gradient loss of their advantages (GRPO's group advantages by default), against
-    the sampling policy's log-probs; 0 = the rewards are scored and logged only."""
-    kl_coef: float | None = 0.0
-    share_prompt: bool | None = False
-    group_size: int = 4
-    prompts_per_step: int = 16
-    minibatch_size: int = 64
-    micro_batch_size: int = 64
-    lr: float = 1e-4
-
-    @property
-    def run_name(self) -> str:
-        return "distill"
-
-    def validate(self) -> None:
-        super().validate()
-        check(self.teacher is not None, "distill needs --teacher DIR (a model with the "
-              "student's vocabulary)")
-        check(0.0 <= self.beta <= 1.0, f"beta must be in [0, 1], got {self.beta}")
-        check(self.reward_coef >= 0, f"reward_coef must be ≥ 0, got {self.reward_coef}")
-        check(self.async_staleness == 0, "distill runs the synchronous loop "
-              "(async_staleness 0)")
-        check(not self.episodic, "distill trains single-turn completions (no --env or "
-              "--tools yet)")
-        check(self.share_prompt is not True, "distill runs whole sequences (share_prompt "
-              "false)")
-        check(self.kl_coef in (None, 0.0), "distill has no reference policy: leave kl_coef 0")

@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from posttrain import dist, fast
 from posttrain.config import ConfigError
-from posttrain.config.rl import DistillConfig
+from posttrain.config.distill import DistillConfig
 from posttrain.core.algorithms import PolicyInputs, compute_advantages, policy_objective
 from posttrain.core.distill import distill_token_loss
 from posttrain.models import completion_hidden, has_plain_head, head_logits, load_tokenizer
@@ -58,20 +58,20 @@ class DistillTrainer(RLTrainer):
     def step(self, step: int) -> StepResult:
         cfg = self.cfg
         self.step_num = step
-        exp = self.experience.collect(step)
-        self.engine.sleep()
+        exp, produced = self.side.take(step)
+        local, own = self._mine(exp)
         t0 = time.perf_counter()
         valid = exp.valid.to(self.device)
         mask = exp.rollout.trained_mask.to(self.device).float() * valid[:, None]
         # (a rank left without rows, e.g. by dynamic sampling, has no batch; its optimiser
         # step still joins the sum)
-        tokens = self._token_batch(exp, False, 1.0)
-        local_of = self._local_of(exp)
+        tokens = self._token_batch(local, own, False, 1.0)
+        local_of = self._local_of(own, mask)
         opt = self.optimizers[0]
         n_steps, loss_sum, norm_sum, div_tok = 0, 0.0, 0.0, torch.zeros_like(mask)
         adv = None
         if cfg.reward_coef:
-            scores = self.experience.shape_scores(exp.scores, exp.rollout, exp.valid)
+            scores = self.shaper(exp.scores, exp.rollout, exp.valid)
             adv, _ = compute_advantages(self.algo, scores.to(self.device),
                                         self._group_ids(exp).to(self.device), mask)
         behaviour = exp.rollout.logprobs.to(self.device)
@@ -91,7 +91,7 @@ class DistillTrainer(RLTrainer):
         if dist.world_size() > 1:
             dist.sum_flat(div_tok)
         t_update = time.perf_counter()
-        checked = self._sync_sampler(tokens, n_steps, step)
+        checked = self._publish(tokens, n_steps, step)
         ro = exp.rollout
         record = {
             "distill/divergence": float((div_tok * mask).sum() / mask.sum().clamp(min=1)),
@@ -100,7 +100,7 @@ class DistillTrainer(RLTrainer):
             "optim/steps": n_steps,
             "time/generate_s": exp.generate_s, "time/update_s": t_update - t0,
             "time/tokens_per_s": float(ro.trained_mask.sum()) / max(exp.generate_s, 1e-9),
-            **checked,
+            **checked, **produced,
         }
         if n_steps:  # the mean over the step's optimiser steps, as the RL trainer logs it
             record["train/grad_norm"] = norm_sum / n_steps

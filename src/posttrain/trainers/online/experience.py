@@ -1,10 +1,9 @@
 """Experience: sample a step's groups through the rollout engine, score them with the reward
-terms, refill with dynamic sampling (DAPO) and shape the scores the advantages see.
+terms and refill with dynamic sampling (DAPO): the sampler side's work (:mod:`.sides`).
 
 Dynamic sampling drops groups whose rewards are all equal and samples more prompts, up to
 ``dynamic_sampling_rounds`` rounds; DAPO's overlong shaping is added to the reward when the
-algorithm asks. Shaping is the missing-EOS penalty, then running normalisation, then
-clipping.
+algorithm asks. The learner shapes the scores (:mod:`.shaping`).
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from posttrain import dist
-from posttrain.core import RunningMoments, groups_with_signal, overlong_penalty
+from posttrain.core import groups_with_signal, overlong_penalty
 from posttrain.core.algorithms import Algorithm
 from posttrain.rewards import reward_columns
 from posttrain.rewards import score as score_rewards
@@ -49,8 +48,8 @@ class Experience:
 
 
 class ExperienceMaker:
-    """Draws prompts in a seeded order, samples and scores them; owns the data order and the
-    running score moments (both resumable)."""
+    """Draws prompts in a seeded order, samples and scores them; owns the data order
+    (resumable)."""
 
     def __init__(self, cfg, algo: Algorithm, engine: RolloutEngine, tokenizer, rewards,
                  train_rows: list[dict], generator: torch.Generator, accuracy=None):
@@ -63,7 +62,6 @@ class ExperienceMaker:
         stop = tuple(s for s in (cfg.stop or "").split(",") if s)
         self.params = SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k,
                                      cfg.max_new_tokens, stop)
-        self.score_moments = RunningMoments()
         self.order: list[int] = []
         self.extras: frozenset[str] = frozenset()
         """What the next rollouts keep for the update to reuse (the engine's ``extras``)."""
@@ -300,18 +298,3 @@ class ExperienceMaker:
             torch.cat([s[2] for _, s in gathered])[rows],
             torch.cat([s[3] for _, s in gathered])[rows])
         return rollout, (total, terms, valid, correct), own
-
-    def shape_scores(self, scores: torch.Tensor, ro: Rollout, valid: torch.Tensor
-                      ) -> torch.Tensor:
-        """The score the advantages see: minus the missing-EOS penalty, normalised by the
-        running moments, clipped."""
-        cfg = self.cfg
-        scores = scores.float()
-        if cfg.missing_eos_penalty:
-            scores = scores - cfg.missing_eos_penalty * ro.truncated.float()
-        if cfg.reward_normalize:
-            self.score_moments.update(scores[valid])
-            scores = self.score_moments.normalize(scores)
-        if cfg.reward_clip:
-            scores = scores.clamp(-cfg.reward_clip, cfg.reward_clip)
-        return scores

@@ -16,7 +16,12 @@ Each step (:meth:`RLTrainer.step`):
 4. **update** — ``ppo_epochs`` passes of minibatch steps against the step's normaliser
    (:mod:`.update`); samples whose advantage is zero where that means zero gradient skip
    their forward and backward pass (the normaliser still counts them);
-5. the engine's ``update_weights``, and the step's **metrics** (:mod:`.metrics`).
+5. the new weights **published** to the sampler side, and the step's **metrics**
+   (:mod:`.metrics`).
+
+The learner holds the sampler side (:mod:`.sides`: the rollout engine, the data order, the
+reward terms; inline, a thread or a process) only through its messages: it takes each
+step's batch, publishes each version's weights and asks for evaluations.
 
 The run loop (:mod:`posttrain.trainers.loop`) schedules the learning rates, logs, evaluates
 and checkpoints; this job's state (sampling generator, data order, KL coefficient, score
@@ -40,24 +45,22 @@ from posttrain.fast.cache import track_policy_version
 from posttrain.fast.compile import compile_models
 from posttrain.models import (
     decide_share_prompt,
-    load_reward_model,
     load_tokenizer,
     lora,
     routing,
     save_model,
-    value_head,
 )
-from posttrain.models.weights import hf_weights
 from posttrain.rewards import parse_rewards
 from posttrain.sharding import compute_device
 from posttrain.trainers import loop, trained
 from posttrain.trainers.loop.job import Job, StepResult
 from posttrain.trainers.loop.optim import Optim
 from posttrain.trainers.online.batch import TokenBatch
-from posttrain.trainers.online.inputs import experience_maker, rl_rows
+from posttrain.trainers.online.critic import load_critic
+from posttrain.trainers.online.inputs import rl_rows
 from posttrain.trainers.online.metrics import logprob_gap, sample_table, step_metrics
-from posttrain.trainers.online.producer import Producer
-from posttrain.trainers.online.sampler import build_engine, make_guard, sampler_module
+from posttrain.trainers.online.shaping import ScoreShaper
+from posttrain.trainers.online.sides import sampler_side
 from posttrain.trainers.online.update import UpdateInputs, run_updates
 
 log = logging.getLogger(__name__)
@@ -84,7 +87,6 @@ class RLTrainer(Job):
         self.policy = trained.load_trained(cfg, resume, lambda name: trained.load_policy(
             cfg, name, trained=True))
         self.sharded = cfg.parallel == "fsdp"
-        self.sampler = sampler_module(cfg, self.policy, self.sharded)
         self.device = compute_device(self.policy)
         self.moe = routing.is_moe(self.policy)
         """A mixture-of-experts policy: its passes run whole sequences (the layout routing is
@@ -112,25 +114,18 @@ class RLTrainer(Job):
         for term in self.rewards:  # reward models (rm:DIR) run the same forward speed-ups
             if isinstance(getattr(term.fn, "model", None), torch.nn.Module):
                 fast.prepare_model(term.fn.model, cfg.fast)
-        self.critic = self._load_critic(resume) if self.algo.critic else None
+        self.critic = (load_critic(cfg, self.tok, self.rewards, self.device, resume)
+                       if self.algo.critic else None)
         self.kl_ctl = (AdaptiveKLController(self.algo.reward_kl_coef, cfg.kl_target,
                                             cfg.kl_horizon) if cfg.kl_target > 0
                        else FixedKLController(self.algo.reward_kl_coef))
         self.gen = torch.Generator().manual_seed(cfg.seed)
-        self.engine = build_engine(cfg, self.policy, self.sampler, self.tok)
-        self.experience = experience_maker(cfg, self.algo, self.engine, self.tok,
-                                           self.rewards, self.train_rows, self.gen)
-        self.version = 0
-        """The policy version: optimiser steps so far (what the engine's weights are)."""
+        self.shaper = ScoreShaper(cfg)
+        self.side = sampler_side(cfg, self.algo, self.policy, self.tok, self.rewards,
+                                 self.train_rows, self.gen, self._routing_kept(),
+                                 self.sharded)
+        """The sampler side (:mod:`.sides`): inline, a producer thread or process."""
         self.correction = cfg.correction()
-        self.guard = make_guard(cfg, self.engine, self.policy, [
-            self.experience.first_prompt_ids(r) for r in self.train_rows[:2]])
-        self.producer = None
-        """Asynchronous rollouts (async_staleness > 0): the thread that owns the engine and
-        makes the batches ahead of the learner (:mod:`.producer`)."""
-        if cfg.async_staleness:
-            # under torchrun, its own process group for the rounds' gathers
-            self.experience.group = dist.side_group()
         self.compiled = compile_models(cfg, [self.policy, self.ref, self.critic], self.device)
         self.policy = trained.shard_trained(cfg, self.policy)
         if self.critic is not None:
@@ -138,35 +133,35 @@ class RLTrainer(Job):
         self.optimizers = self._optimizers()
         self.step_num = 0
         # what the engine keeps for the update to reuse, decided once
-        self.reuse = eligibility.plan(cfg, self.policy, self.engine,
+        self.reuse = eligibility.plan(cfg, self.policy, self.side.traits,
                                       share_prompt=self.share_prompt, compiled=self.compiled,
                                       sharded=self.sharded)
         self.packed = False
         """Whether the last batch's shared-prompt passes were packed into one call."""
-        self.experience.extras = self._extras()
-        if cfg.async_staleness:
-            self.producer = self._producer()
+        self.side.keep(self._extras())
 
-    def _producer(self):
-        """The producer of asynchronous rollouts: a thread over this process's engine, or a
-        process of its own (:mod:`.remote`) started from the policy's weights now."""
-        cfg = self.cfg
-        if cfg.async_process:
-            from posttrain.trainers.online.remote import RemoteProducer
+    @property
+    def engine(self):
+        """The sampler side's engine (None in another process): for tests and tools; the
+        learner itself never touches it."""
+        return self.side.engine
 
-            weights = [(n, t.detach().clone()) for n, t in hf_weights(self.policy)]
-            return RemoteProducer(cfg, self._extras() & {"routing"}, weights)
-        return Producer(self.experience, self.engine, cfg.async_staleness, cfg.max_steps, 0,
-                        self.guard, cfg.partial_rollouts)
+    @property
+    def experience(self):
+        """The sampler side's batch maker (None in another process): for tests and tools."""
+        return self.side.experience
+
+    def _routing_kept(self) -> frozenset[str]:
+        """For a MoE policy with r3 or none, the routing (where the engine records it; with
+        none, the rollout's routing is what the trainer's is compared with)."""
+        wanted = self.cfg.routing_replay == "r3" or (self.moe
+                                                     and self.cfg.routing_replay == "none")
+        return frozenset({"routing"} if wanted else ())
 
     def _extras(self) -> frozenset[str]:
         """What the next rollouts keep: the speed-ups' (:mod:`posttrain.fast.eligibility`)
-        and, for a MoE policy with r3 or none, the routing (where the engine records it)."""
-        # (with none, the rollout's routing is what the trainer's is compared with)
-        wanted = self.cfg.routing_replay == "r3" or (self.moe
-                                                     and self.cfg.routing_replay == "none")
-        extra = {"routing"} if wanted else set()
-        return self.reuse.extras(self.packed) | extra
+        and the routing (:meth:`_routing_kept`)."""
+        return self.reuse.extras(self.packed) | self._routing_kept()
 
     def _optimizers(self) -> list[Optim]:
         """The policy's AdamW (its steps move the policy version the sampler cache checks)
@@ -184,84 +179,39 @@ class RLTrainer(Job):
     def _rows(self) -> tuple[list[dict], list[dict]]:
         return rl_rows(self.cfg, self.tok)
 
-    def _load_critic(self, resume: Path | None):
-        """The critic: from its checkpoint, or from :meth:`critic_source` with a fresh value
-        head; with ``critic_lora`` the source's weights frozen under adapters."""
-        cfg = self.cfg
-        loop.seed_everything(cfg.seed)  # a fresh value head is drawn from the global RNG
-        source = self.critic_source()
-
-        def load(name: str):
-            return load_reward_model(name, self.tok, sharding.load_dtype(
-                cfg, self.device, adapted=bool(cfg.lora_rank and cfg.critic_lora)),
-                cfg.device, cfg.trust_remote_code)
-
-        if cfg.critic_lora:  # its base from the source, its adapter and head trained
-            base = load(source)
-            heads = tuple(n for n, m in base.named_children() if m is value_head(base))
-            critic = (lora.load(base, resume / "critic") if resume
-                      else lora.add(base, cfg, heads))
-        else:
-            critic = load(str(resume / "critic") if resume else source)
-        critic = fast.prepare_model(critic, cfg.fast)
-        value_head(critic)  # fail now, not after the first rollout
-        log.info("critic from %s%s", source, " (LoRA)" if cfg.critic_lora else "")
-        return critic
-
-    def critic_source(self) -> str:
-        """Where the critic starts: ``critic_model``; else the reward model when the reward is
-        one ``rm:DIR`` term that reads the policy's tokens; else the policy's weights."""
-        cfg = self.cfg
-        if getattr(cfg, "critic_model", None):
-            return cfg.critic_model
-        models = [t.name[3:] for t in self.rewards if t.name.startswith("rm:")]
-        if len(self.rewards) == 1 and models:
-            rm_tok = getattr(self.rewards[0].fn, "tokenizer", None)
-            if rm_tok is not None and rm_tok.get_vocab() != self.tok.get_vocab():
-                log.warning("the reward model %s has another vocabulary than the policy, so it "
-                            "cannot read the policy's tokens as a critic; the critic starts "
-                            "from the policy (set critic_model to choose)", models[0])
-                return cfg.model
-            return models[0]
-        return cfg.model
-
     # --- one step ----------------------------------------------------------------------------
     def step(self, step: int) -> StepResult:
         cfg = self.cfg
         self.step_num = step
         algo = (self.algo.replace(reward_kl_coef=self.kl_ctl.value)
                 if self.algo.reward_kl_coef else self.algo)
-        # 1. experience
-        if self.producer is not None:  # made ahead by the producer thread
-            exp, produced = self.producer.take(step)
-            produced.update(self._staleness(exp, step))
-        else:
-            exp, produced = self.experience.collect(step), {}
-            self.engine.sleep()  # where it can, the engine frees its memory for the update
+        # 1. experience, from the sampler side
+        exp, produced = self.side.take(step)
+        local, own = self._mine(exp)
         if not exp.valid.any():
             log.warning("step %d: every sample's reward failed (on_reward_error=skip): the "
                         "step learns nothing", step)
         t0 = time.perf_counter()
         share = self.share_prompt and (exp.rollout.loss_mask is None
                                        or _groups_share_prompts(exp.rollout))
-        tokens = self._token_batch(exp, share, cfg.temperature)
+        tokens = self._token_batch(local, own, share, cfg.temperature)
         routed = None  # the policy's routing through the step's passes (MoE)
         if self.moe and tokens is not None and not tokens.share:
             routed = tokens.routing = routing.Routing(self.policy, len(tokens),
                                                       tokens.full["input_ids"].shape[1])
-            if exp.local.routing is not None:  # the experts the engine chose while sampling
-                routed.load(exp.local.routing)
+            if local.routing is not None:  # the experts the engine chose while sampling
+                routed.load(local.routing)
             elif cfg.routing_replay == "r3":
-                raise RuntimeError(f"routing_replay=r3: the {self.engine.name} engine "
+                raise RuntimeError(f"routing_replay=r3: the {self.side.traits.name} engine "
                                    "recorded no routing")
-        sampled_routing = routed is not None and exp.local.routing is not None
+        sampled_routing = routed is not None and local.routing is not None
         valid = exp.valid.to(self.device)
         mask = exp.rollout.trained_mask.to(self.device).float() * valid[:, None]
         # 2. passes: old log-probs, reference log-probs, old values
-        old, ref, old_values = self._passes(algo, tokens, exp.own, mask, sampled_routing)
+        old, ref, old_values = self._passes(algo, tokens, own, mask, sampled_routing)
         t_passes = time.perf_counter()
         # 3. advantages
-        scores = self.experience.shape_scores(exp.scores, exp.rollout, exp.valid).to(self.device)
+        scores = self.shaper(exp.scores, exp.rollout, exp.valid).to(self.device)
         adv, returns = compute_advantages(algo, scores, self._group_ids(exp).to(self.device),
                                           mask, old, ref, old_values)
         skip = algo.zero_advantage_zero_gradient and self.critic is None
@@ -270,7 +220,7 @@ class RLTrainer(Job):
         train_policy = step > getattr(cfg, "critic_warmup_steps", 0)
         recorded = None if old is not None else (torch.zeros_like(mask),
                                                  torch.zeros_like(valid))
-        x = UpdateInputs(mask, adv, old, ref, old_values, returns, live, self._local_of(exp),
+        x = UpdateInputs(mask, adv, old, ref, old_values, returns, live, self._local_of(own, mask),
                          recorded, exp.rollout.logprobs.to(self.device), self.correction,
                          self.router_aux_coef if routed is not None else 0.0)
         critic_opt = self.optimizers[1] if self.critic is not None else None
@@ -287,12 +237,12 @@ class RLTrainer(Job):
             self.optimizers[0] if train_policy else None, critic_opt, cfg, self.gen)
         t_update = time.perf_counter()
         if recorded is not None and dist.world_size() > 1:  # every rank's rows
-            own = exp.own.to(self.device)
-            recorded = (dist.assemble(recorded[0][own], own, len(mask)),
-                        dist.assemble(recorded[1][own].float(), own, len(mask)).bool())
-        # 5. the sampler follows the policy; metrics
+            rows = own.to(self.device)
+            recorded = (dist.assemble(recorded[0][rows], rows, len(mask)),
+                        dist.assemble(recorded[1][rows].float(), rows, len(mask)).bool())
+        # 5. the sampler side gets the new weights; metrics
         t_sync = time.perf_counter()
-        checked = self._sync_sampler(tokens, n_steps, step)
+        checked = self._publish(tokens, n_steps, step)
         t_sync = time.perf_counter() - t_sync
         times = {"generate": exp.generate_s, "reward": exp.reward_s,
                  "passes": t_passes - t0, "update": t_update - t_passes, "sync": t_sync}
@@ -319,17 +269,22 @@ class RLTrainer(Job):
         return StepResult(values=record, tokens=exp.sampled_tokens,
                           samples=self._sample_table(exp, adv, mask, step))
 
-    def _token_batch(self, exp, share: bool, temperature: float) -> TokenBatch | None:
-        """This rank's samples as a token batch (all of them in a world of one); every other
-        tensor of the step covers the whole step's samples, the same on every rank. Sharded,
-        any rank can compute any sample (nothing is replayed): the rows are dealt out
-        evenly. None for a rank left without rows (it adds nothing to the gradient)."""
+    def _mine(self, exp) -> tuple:
+        """This rank's part of the step: ``(local, own)``, the rollout of its rows and their
+        indices in the step's samples (every row in a world of one). Sharded, any rank can
+        compute any sample (nothing is replayed): the rows are dealt out evenly."""
         if self.sharded:
-            exp.local, exp.own = exp.rollout, torch.arange(len(exp.valid))[dist.rank()::
-                                                                           dist.world_size()]
-        if not (len(exp.own) or self.sharded):
+            return exp.rollout, torch.arange(len(exp.valid))[dist.rank()::dist.world_size()]
+        return exp.local, exp.own
+
+    def _token_batch(self, local, own: torch.Tensor, share: bool, temperature: float
+                     ) -> TokenBatch | None:
+        """This rank's samples as a token batch (all of them in a world of one); every other
+        tensor of the step covers the whole step's samples, the same on every rank. None for
+        a rank left without rows (it adds nothing to the gradient)."""
+        if not (len(own) or self.sharded):
             return None
-        return TokenBatch(exp.local, self.tok.pad_token_id, self.device, share, temperature)
+        return TokenBatch(local, self.tok.pad_token_id, self.device, share, temperature)
 
     def _sample_table(self, exp, adv: torch.Tensor, mask: torch.Tensor, step: int
                       ) -> list[dict] | None:
@@ -341,58 +296,21 @@ class RLTrainer(Job):
             return None
         return sample_table(exp, self.tok, adv, mask, cfg.log_samples)
 
-    def _staleness(self, exp, step: int) -> dict[str, float]:
-        """How many versions behind the learner's (``step - 1``) the batch's weights are:
-        its oldest token's, and with partial rollouts the trained tokens' mean. Never more
-        than async_staleness (the schedule's bound, checked)."""
-        lag = step - 1 - exp.rollout.policy_version
-        if lag > self.cfg.async_staleness:
-            raise RuntimeError(f"step {step}: its batch was sampled by version "
-                               f"{exp.rollout.policy_version}, {lag} versions old, beyond "
-                               f"async_staleness={self.cfg.async_staleness}")
-        out = {"async/staleness": float(lag)}
-        versions = exp.rollout.versions
-        if versions is not None:
-            m = exp.rollout.trained_mask.bool()
-            lags = (step - 1 - versions)[m].double()
-            if len(lags):
-                out.update({"async/token_staleness_mean": float(lags.mean()),
-                            "async/token_staleness_min": float(lags.min())})
-        return out
-
-    def _local_of(self, exp) -> torch.Tensor:
+    def _local_of(self, own: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Each of the step's rows' index in this rank's token batch, -1 for another
         rank's (sharded, the batch holds every row)."""
-        local_of = torch.full((len(exp.valid),), -1, dtype=torch.long, device=self.device)
-        own = exp.own.to(self.device)
+        local_of = torch.full((len(mask),), -1, dtype=torch.long, device=self.device)
+        own = own.to(self.device)
         local_of[own] = own if self.sharded else torch.arange(len(own), device=self.device)
         return local_of
 
-    def _sync_sampler(self, tokens: TokenBatch | None, n_steps: int, step: int
-                      ) -> dict[str, float]:
-        """After a step that moved the policy, the engine's weights follow it (the policy's
-        weights streamed one tensor at a time: gathered from the shards, adapters merged;
-        nothing is copied for an engine that decodes with the policy itself), and the guard
-        checks the engine; and what the next rollouts keep for the update follows this
-        batch's layout (a batch packed into one call replays nothing, so the next need not
-        keep the projections; batches of a run are alike). Returns the guard's metrics."""
-        checked: dict[str, float] = {}
-        if self.producer is not None:  # version ``step``, whether the step moved it or not
-            self.version = step
-            weights = [(name, t.detach().clone()) for name, t in hf_weights(
-                self.policy, changed_only=self.engine.partial_sync)]
-            expected = self.guard.expect(self.policy) if self.guard is not None else None
-            self.producer.publish(step, weights, expected)
-            return checked
-        if n_steps or self.engine.needs_sync:  # (its sleep freed weights: bring them back)
-            self.version += n_steps
-            self.engine.sync(hf_weights(self.policy, changed_only=self.engine.partial_sync),
-                             self.version)
-            if self.guard is not None and n_steps:
-                checked = self.guard.check(self.policy, step)
+    def _publish(self, tokens: TokenBatch | None, moved: int, step: int) -> dict[str, float]:
+        """Version ``step`` to the sampler side (``moved``: the optimiser steps it took), and
+        what the next rollouts keep for the update, which follows this batch's layout (a
+        batch packed into one call replays nothing, so the next need not keep the
+        projections; batches of a run are alike). Returns the guard's metrics."""
         self.packed = bool(self.share_prompt and tokens is not None and tokens.packed)
-        self.experience.extras = self._extras()
-        return checked
+        return self.side.publish(step, self.policy, moved, self._extras())
 
     def _passes(self, algo, tokens: TokenBatch | None, own: torch.Tensor, mask: torch.Tensor,
                 sampled_routing: bool = False):
@@ -458,8 +376,7 @@ class RLTrainer(Job):
         if not self.eval_rows:
             return {}
         rows = dist.shard(self.eval_rows)
-        local = (self.producer.call(rows) if self.producer is not None
-                 else self.experience.evaluate(self.engine, rows))
+        local = self.side.evaluate(rows)
         n_correct, reward, n_valid = dist.sum_floats(local)
         return {"eval/accuracy": n_correct / len(self.eval_rows),
                 "eval/mean_reward": reward / n_valid if n_valid else float("nan")}
@@ -475,59 +392,26 @@ class RLTrainer(Job):
         return {"policy": self.policy, **({"critic": self.critic} if self.critic else {})}
 
     def state(self):
-        """Every rank calls it (torchrun: the producers' rows are gathered)."""
-        meta, tensors = self._state()
-        if self.producer is None:
-            return meta, tensors
-        (made, made_tensors), order, generator = self.producer.snapshot(self.step_num)
-        meta["order"] = order  # (the producer's: it draws the prompts)
-        meta["async"] = {"staleness": self.cfg.async_staleness, "version": self.step_num,
-                         **made}
-        tensors.update({f"async.{k}": v for k, v in made_tensors.items()})
-        tensors["producer_generator"] = generator
-        if dist.world_size() > 1:  # each rank's rows of each made batch (a thread there)
-            owns = dist.gather_objects({s: e.own.tolist()
-                                        for s, e in self.producer.ready.items()})
-            for r, mine in enumerate(owns):
-                tensors.update({f"async.own.{r}.{s}": torch.tensor(rows, dtype=torch.long)
-                                for s, rows in mine.items()})
+        """Every rank calls it (torchrun: an asynchronous side gathers its rows)."""
+        meta = {"kl_coef": self.kl_ctl.value, "score_moments": self.shaper.moments.state_dict(),
+                "packed": self.packed}
+        side, tensors = self.side.state(self.step_num)
+        meta.update(side)  # (the data order, and the batches made ahead)
+        tensors["generator"] = self.gen.get_state()
         return meta, tensors
 
-    def _state(self):
-        meta = {"kl_coef": self.kl_ctl.value,
-                "score_moments": self.experience.score_moments.state_dict(),
-                "order": self.experience.order, "packed": self.packed}
-        return meta, {"generator": self.gen.get_state()}
-
     def load_state(self, meta, tensors) -> None:
-        made = meta.get("async")  # (a resume keeps the run's config: the same schedule)
-        if made:
-            version = int(made["version"])
-            own = None
-            if dist.world_size() > 1:
-                prefix = f"async.own.{dist.rank()}."
-                own = {int(k[len(prefix):]): v for k, v in tensors.items()
-                       if k.startswith(prefix)}
-            batches = {k[6:]: v for k, v in tensors.items() if k.startswith("async.batch.")}
-            self.producer.restore((made, batches), meta["order"],
-                                  tensors["producer_generator"], version, own)
-            self.version = version
+        self.side.load_state(meta, tensors, self.step_num)
         self.gen.set_state(tensors["generator"])
         self.kl_ctl.value = float(meta["kl_coef"])
-        self.experience.score_moments.load_state_dict(meta["score_moments"])
-        if not made:
-            self.experience.order = [int(i) for i in meta["order"]]
+        self.shaper.moments.load_state_dict(meta["score_moments"])
         # what the next rollouts keep follows the last batch's layout, as it would have in
         # the run that was not interrupted
         self.packed = bool(meta["packed"])
-        self.experience.extras = self._extras()
+        self.side.keep(self._extras())
 
     def close(self) -> None:
-        if self.producer is not None:
-            self.producer.close()
-            if self.producer.stuck():
-                return  # (its daemon thread still holds the engine; the exit reclaims both)
-        self.engine.close()
+        self.side.close()
 
     def train(self) -> dict[str, float]:
         return loop.run(self.cfg, self, self.cfg.max_steps)
