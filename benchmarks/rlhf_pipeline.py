@@ -12,14 +12,16 @@ reward model's mean score before and after PPO, the mean per-sequence KL to the 
 (k1, nats) at every step — its maximum and last value — and the wall time of each stage.
 
 ``--rollout_backend vllm`` samples the PPO stage through vLLM (run it in the vLLM
-environment, docs/engines.md); the default is the lean engine.
+environment, docs/engines.md); ``--rollout_backend vllm_server --launch_rollout_servers N``
+through N vLLM servers the PPO run launches; the default is the lean engine.
 
 ``--sft DIR`` starts from that SFT model instead of training one (benchmarks/rm_robustness.py
 reuses one SFT per seed); ``--sparse_embedding_grad`` is passed to the reward model and PPO.
 The figures also go to ``OUT/result.json``.
 
 Usage (from the repository root): python benchmarks/rlhf_pipeline.py [--out DIR] [--seed N]
-       [--rollout_backend auto|lean|hf|vllm] [--sft DIR] [--sparse_embedding_grad true|false]
+       [--rollout_backend auto|lean|hf|vllm|vllm_server] [--launch_rollout_servers N]
+       [--sft DIR] [--sparse_embedding_grad true|false]
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ def main() -> int:
     p.add_argument("--out", default="runs/bench-rlhf")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rollout_backend", default="auto")
+    p.add_argument("--launch_rollout_servers", type=int, default=0)
     p.add_argument("--sft", default=None, help="an SFT model to start from (skips stage 1)")
     p.add_argument("--sparse_embedding_grad", default="true")
     args = p.parse_args()
@@ -67,7 +70,8 @@ def main() -> int:
                        [f"--model={sft}", f"--reward=rm:{out}/rm/final",
                         f"--output_dir={out}/ppo", seed, again, "--tensorboard=false",
                         "--log_every=1", f"--rollout_backend={args.rollout_backend}",
-                        rows_mode]))
+                        rows_mode, *([f"--launch_rollout_servers={args.launch_rollout_servers}"]
+                                     if args.launch_rollout_servers else [])]))
     times["ppo"] = time.perf_counter() - t0
 
     rows = [json.loads(x) for x in (out / "ppo" / "metrics.jsonl").read_text().splitlines()]

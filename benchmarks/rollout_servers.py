@@ -8,12 +8,16 @@ machine's load falls on every setting alike. The servers' start-up (about a minu
 Sizes: ``builtin`` (0.55M), ``medium`` (~25M random init), ``large`` (~180M: the medium body
 with a 151,936-token vocabulary, untied). Run it in the vLLM environment (docs/engines.md).
 
+``--lora_rank R`` measures a LoRA run instead: in-process vLLM (merged weights) against one
+launched server pushed the merged weights and one pushed the adapter alone
+(``--rollout_lora_push merged|adapter``).
+
 On CPU the servers share the cores with the trainer, so the figures measure the client's
 and the push's overhead, not what separate devices buy; ``--devices "1;2"`` (GPU machine:
 trainer on GPU 0, servers on 1 and 2) measures that: ``benchmarks/gpu_servers.sh``.
 
 Usage: python benchmarks/rollout_servers.py [--sizes builtin,medium] [--steps 6]
-       [--repeats 3] [--devices "1;2"] [--server_args "..."] [--out DIR]
+       [--repeats 3] [--devices "1;2"] [--server_args "..."] [--lora_rank R] [--out DIR]
 """
 
 from __future__ import annotations
@@ -31,6 +35,12 @@ from common import SIZES, child_env, scratch
 SETTINGS = {"in-process vllm": ["--rollout_backend", "vllm"],
             "1 server": ["--rollout_backend", "vllm_server", "--launch_rollout_servers", "1"],
             "2 servers": ["--rollout_backend", "vllm_server", "--launch_rollout_servers", "2"]}
+LORA_SETTINGS = {
+    "in-process vllm": ["--rollout_backend", "vllm"],
+    "1 server, merged push": ["--rollout_backend", "vllm_server", "--rollout_lora_push",
+                              "merged", "--launch_rollout_servers", "1"],
+    "1 server, adapter push": ["--rollout_backend", "vllm_server", "--rollout_lora_push",
+                               "adapter", "--launch_rollout_servers", "1"]}
 
 
 def model_dir(size: str, work: Path) -> str:
@@ -48,7 +58,7 @@ def one_run(model: str, setting: list[str], out: Path, steps: int, devices: str 
             server_args: str) -> tuple[list[float], list[float]]:
     extra = list(setting)
     if "--launch_rollout_servers" in setting:
-        n = int(setting[-1])
+        n = int(setting[setting.index("--launch_rollout_servers") + 1])
         if devices:
             extra += ["--rollout_server_devices", ";".join(devices.split(";")[:n])]
         if server_args:
@@ -75,17 +85,22 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--devices", default=None, help="the servers' CUDA_VISIBLE_DEVICES, ';'")
     p.add_argument("--server_args", default="", help="more flags for every launched server")
+    p.add_argument("--lora_rank", type=int, default=0)
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    settings = SETTINGS
+    if args.lora_rank:
+        settings = {k: [*v, "--lora_rank", str(args.lora_rank)]
+                    for k, v in LORA_SETTINGS.items()}
     with scratch(args.out, "posttrain-bench-servers-") as work:
         print("| size | setting | GRPO step s (median) | push s (median) | step ÷ in-process | "
               "push ÷ step |\n|---|---|---|---|---|---|")
         for size in args.sizes.split(","):
             model = model_dir(size, work)
-            got: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in SETTINGS}
+            got: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in settings}
             for r in range(args.repeats):
-                for name, setting in SETTINGS.items():
-                    s, q = one_run(model, setting, work / f"{size}-{r}-{name[:1]}",
+                for i, (name, setting) in enumerate(settings.items()):
+                    s, q = one_run(model, setting, work / f"{size}-{r}-{i}",
                                    args.steps, args.devices, args.server_args)
                     got[name][0].extend(s[args.skip:])
                     got[name][1].extend(q[args.skip:])

@@ -4,7 +4,9 @@ in; token ids, behaviour log-probs, finish reason and weight-version spans out;
 ``prompt_logprobs`` for the guard), and the RL API's weight push (``/pause``,
 ``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights`` with
 posttrain's safetensors buckets, ``/finish_weight_update``, ``/reset_prefix_cache``,
-``/resume``). It samples with posttrain's ``hf`` engine on a model of its own, a sample
+``/resume``), and vLLM's LoRA routes (``/v1/load_lora_adapter``,
+``/v1/unload_lora_adapter``, ``/update_weight_version``; a request's ``model`` names the
+adapter). It samples with posttrain's ``hf`` engine on a model of its own, a sample
 seeded by the request's seed alone, so which server draws a sample does not change it.
 
 Knobs for the tests: ``stall`` (an event: while set, generate calls hang as a SIGSTOPped
@@ -42,6 +44,8 @@ class FakeServer:
         self.calls: list[str] = []
         self.lock = threading.Lock()
         self.engine = HFEngine(self.model, tokenizer, shares_weights=True)
+        self.adapters: dict[str, tuple] = {}
+        """Loaded LoRA adapters: name -> (the adapted model, its engine)."""
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -85,6 +89,8 @@ class FakeServer:
         if route == "/health":
             return 200, {}
         if route == "/inference/v1/generate":
+            if body.get("model") and body["model"] not in self.adapters:
+                return 404, {"error": f"The model `{body['model']}` does not exist."}
             while self.stall.is_set():  # hung, as a stopped process is, until released
                 self.released.wait(0.05)
             return 200, self.generate(body)
@@ -106,15 +112,37 @@ class FakeServer:
             if self.die_after is not None and self.pushes >= self.die_after:
                 self.dead = True
             return 200, {}
+        if route == "/v1/load_lora_adapter":
+            if body["lora_name"] in self.adapters:
+                return 400, {"error": f"{body['lora_name']} is loaded already"}
+            from peft import PeftModel
+
+            with self.lock:
+                if self.ignore_pushes and self.adapters:  # (the name, the old adapter)
+                    self.adapters[body["lora_name"]] = next(iter(self.adapters.values()))
+                    return 200, {}
+                adapted = PeftModel.from_pretrained(copy.deepcopy(self.model),
+                                                    body["lora_path"]).eval()
+                self.adapters[body["lora_name"]] = (adapted, HFEngine(
+                    adapted, self.tokenizer, shares_weights=True))
+            return 200, {}
+        if route == "/v1/unload_lora_adapter":
+            return (200, {}) if self.adapters.pop(body["lora_name"], None) else (
+                404, {"error": f"no adapter {body['lora_name']}"})
+        if route == "/update_weight_version":
+            self.version = body["new_version"]
+            return 200, {}
         if route in ("/pause", "/resume", "/start_weight_update", "/reset_prefix_cache"):
             return 200, {}
         return 404, {"error": f"no route {route}"}
 
     def generate(self, body: dict) -> dict:
         ids, sp = body["token_ids"], body["sampling_params"]
+        model, engine = self.adapters[body["model"]] if body.get("model") else (self.model,
+                                                                               self.engine)
         if sp.get("prompt_logprobs") is not None:
             with self.lock, torch.no_grad():
-                z = self.model(input_ids=torch.tensor([ids])).logits[0].float()
+                z = model(input_ids=torch.tensor([ids])).logits[0].float()
             lp = z.log_softmax(-1)
             rows = [None] + [{str(ids[t]): {"logprob": float(lp[t - 1, ids[t]])}}
                              for t in range(1, len(ids))]
@@ -124,7 +152,7 @@ class FakeServer:
                                 top_k=max(sp["top_k"], 0), max_new_tokens=sp["max_tokens"],
                                 stop=tuple(sp.get("stop") or ()))
         with self.lock:
-            ro = self.engine.generate([Request(tuple(ids), sp["seed"])], 1, params)
+            ro = engine.generate([Request(tuple(ids), sp["seed"])], 1, params)
         n = int(ro.completion_mask[0].sum())
         out = ro.completion_ids[0, :n].tolist()
         lps = ro.logprobs[0, :n].tolist()

@@ -196,6 +196,49 @@ def test_a_grpo_run_samples_through_the_servers(model_tok, fakes, tmp_path, monk
     assert all("/inference/v1/generate" in f.calls for f in fakes)
 
 
+@pytest.mark.parametrize("push", ["adapter", "merged"])
+def test_a_lora_run_pushes_the_adapter_alone_or_merged_weights(model_tok, fakes, tmp_path,
+                                                                monkeypatch, push):
+    """adapter: the base weights go once (the first push), then each version is the adapter
+    alone, loaded under a name of its own (the last one unloaded) and named by every
+    request; merged: the RL API's push every time, no adapter. The guard probes every
+    server after every push either way, so a server sampling with other weights stops the
+    run."""
+    pytest.importorskip("peft")
+    monkeypatch.setenv("POSTTRAIN_ROLLOUT_KEY", "k")
+    out = tmp_path / "run"
+    assert main(["grpo", "--rollout_backend", "vllm_server", "--rollout_servers",
+                 ",".join(f.url for f in fakes), "--lora_rank", "4", "--lr", "1e-2",
+                 "--rollout_lora_push", push, "--max_steps", "3", "--prompts_per_step", "4",
+                 "--group_size", "2", "--eval_every", "0", "--tensorboard", "false",
+                 "--log_every", "1", "--output_dir", str(out)]) == 0
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len([r for r in rows if "sync/gap_mean" in r]) == 3  # the guard, every step
+    for f in fakes:
+        pushes = f.calls.count("/reset_prefix_cache")
+        assert pushes == 4 and f.version.endswith("-3")  # the start and three steps
+        if push == "adapter":
+            assert f.calls.count("/update_weights") == 1
+            assert f.calls.count("/v1/load_lora_adapter") == pushes
+            assert list(f.adapters) == ["posttrain-policy-3"]
+        else:
+            assert f.calls.count("/update_weights") == pushes and not f.adapters
+
+
+def test_the_guard_catches_an_adapter_push_that_loaded_nothing(fakes, tmp_path, monkeypatch,
+                                                               capsys):
+    pytest.importorskip("peft")
+    monkeypatch.setenv("POSTTRAIN_ROLLOUT_KEY", "k")
+    fakes[1].ignore_pushes = True  # (a new name over the old adapter)
+    assert main(["grpo", "--rollout_backend", "vllm_server", "--rollout_servers",
+                 ",".join(f.url for f in fakes), "--lora_rank", "4", "--lr", "1e-1",
+                 "--rollout_lora_push", "adapter", "--max_steps", "2", "--prompts_per_step",
+                 "4", "--group_size", "2", "--eval_every", "0", "--tensorboard", "false",
+                 "--output_dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert f"rollout server 1 ({fakes[1].url})'s" in err
+
+
 @pytest.mark.parametrize("args, message", [
     (["--launch_rollout_servers", "2"], "launch_rollout_servers.*rollout_backend=auto"),
     (["--rollout_backend", "vllm_server"], "needs either rollout_servers"),
@@ -204,6 +247,10 @@ def test_a_grpo_run_samples_through_the_servers(model_tok, fakes, tmp_path, monk
     (["--rollout_backend", "vllm_server", "--rollout_servers", "a:1"], "not an http"),
     (["--rollout_backend", "vllm_server", "--launch_rollout_servers", "2",
       "--rollout_server_devices", "0"], "names 1 device sets for 2 servers"),
+    (["--rollout_backend", "vllm_server", "--launch_rollout_servers", "1",
+      "--rollout_lora_push", "adapter"], "rollout_lora_push.*without LoRA"),
+    (["--rollout_backend", "vllm_server", "--launch_rollout_servers", "1", "--lora_rank",
+      "4", "--rollout_lora_push", "both"], "rollout_lora_push must be auto, adapter or"),
 ])
 def test_server_keys_are_checked(args, message, capsys, tmp_path):
     assert main(["grpo", *args, "--output_dir", str(tmp_path / "r")]) == 2

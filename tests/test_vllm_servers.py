@@ -211,3 +211,36 @@ def test_a_run_through_two_launched_servers_learns(tmp_path):
     assert len(logs) == 2 and all("--enable-scale-out" in x.read_text() for x in logs)
     assert not any("api-key" in x.read_text() for x in logs)  # (the key is in the env)
 
+
+
+def test_a_lora_run_pushes_the_adapter_alone_to_a_launched_server(tmp_path):
+    """rollout_lora_push auto with launched servers: the server starts with --enable-lora,
+    takes the base weights once and each version's adapter through /v1/load_lora_adapter;
+    the guard scores the server through the adapter after every push (a server on other
+    weights stops the run)."""
+    out = tmp_path / "run"
+    proc = _grpo(out, "--launch_rollout_servers", "1", "--lora_rank", "8", "--lr", "1e-3",
+                 "--max_steps", "3", "--eval_every", "0", "--log_every", "1")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len([r for r in rows if "sync/gap_mean" in r]) == 3
+    log = (out / "rollout-servers" / "server-0.log").read_text()
+    assert "--enable-lora" in log and "--max-lora-rank 8" in log
+
+
+def test_two_ranks_under_torchrun_launch_and_share_the_servers(tmp_path):
+    """torchrun, 2 ranks on gloo: rank 0 starts the server (one log) and sends every rank
+    its address and key; both sample from it and the run finishes."""
+    import os
+
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                           "2", "--standalone", "-m", "posttrain", "grpo", "--rollout_backend",
+                           "vllm_server", "--launch_rollout_servers", "1", "--max_steps", "2",
+                           "--prompts_per_step", "4", "--eval_every", "0", "--tensorboard",
+                           "false", "--output_dir", str(out)],
+                          env=env, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [p.name for p in (out / "rollout-servers").glob("server-*.log")] == ["server-0.log"]
+    assert (out / "final" / "model.safetensors").exists()

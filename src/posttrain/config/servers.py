@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from posttrain.config.errors import ConfigError, check
+from posttrain.config.errors import check
 
 
 @dataclass
@@ -30,10 +30,17 @@ class RolloutServerFields:
     server past it is named and dropped, its requests go to the others."""
     rollout_server_startup: float = 900.0
     """Seconds a rollout server may take to answer its first health check."""
+    rollout_lora_push: str = "auto"
+    """With lora_rank: what a push sends the servers. adapter: the adapter alone (the
+    servers hold the base weights and load it through vLLM's LoRA API; launched servers
+    are started with --enable-lora, servers of your own need --enable-lora and
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, on this host); merged: the merged weights
+    through the RL API, as for full fine-tuning; auto = adapter for launched servers,
+    merged for servers of your own."""
 
     def _check_servers(self) -> None:
         server_keys = ("rollout_servers", "launch_rollout_servers", "rollout_server_devices",
-                       "rollout_server_args")
+                       "rollout_server_args", "rollout_lora_push")
         if self.rollout_backend != "vllm_server":
             self.refuse(server_keys, f"rollout_backend={self.rollout_backend} (they set the "
                         "vllm_server engine)")
@@ -42,6 +49,15 @@ class RolloutServerFields:
               "rollout_backend=vllm_server needs either rollout_servers (URLs of running "
               "servers) or launch_rollout_servers N (servers the run starts)")
         check(self.launch_rollout_servers >= 0, "launch_rollout_servers must be ≥ 0")
+        check(self.rollout_lora_push in ("auto", "adapter", "merged"),
+              "rollout_lora_push must be auto, adapter or merged")
+        if not self.lora_rank:
+            self.refuse(("rollout_lora_push",), "a run without LoRA (lora_rank 0)")
+        elif self.rollout_lora_push == "adapter":
+            check(self.parallel != "fsdp", "rollout_lora_push=adapter saves the adapter from "
+                  "one process; with parallel fsdp use rollout_lora_push merged")
+        check(self.lora_push != "adapter" or self.lora_rank <= 512, "rollout_lora_push="
+              "adapter: vLLM serves LoRA ranks up to 512; use rollout_lora_push merged")
         check(self.rollout_timeout > 0 and self.rollout_server_startup > 0,
               "rollout_timeout and rollout_server_startup must be > 0")
         if self.rollout_servers:
@@ -53,21 +69,27 @@ class RolloutServerFields:
         else:
             import shlex
 
-            from posttrain import dist
-
             owned = {"--host", "--port", "--api-key", "--model"}
             for arg in shlex.split(self.rollout_server_args):
                 check(arg.split("=")[0] not in owned, f"rollout_server_args: {arg.split('=')[0]}"
                       " is the run's to set (launched servers listen on 127.0.0.1 with the "
                       "run's key and model)")
 
-            if dist.launched():
-                raise ConfigError("launch_rollout_servers under torchrun: start the servers "
-                                  "beside it and pass rollout_servers (docs/engines.md)")
             devices = self.server_devices
             check(devices is None or len(devices) == self.launch_rollout_servers,
                   f"rollout_server_devices names {len(devices or [])} device sets for "
                   f"{self.launch_rollout_servers} servers")
+
+    @property
+    def lora_push(self) -> str | None:
+        """What a LoRA run's push sends (``rollout_lora_push`` decided): adapter or merged;
+        None without LoRA."""
+        if not self.lora_rank:
+            return None
+        if self.rollout_lora_push != "auto":
+            return self.rollout_lora_push
+        launched = self.launch_rollout_servers > 0 and self.parallel != "fsdp"
+        return "adapter" if launched else "merged"
 
     @property
     def server_urls(self) -> list[str]:

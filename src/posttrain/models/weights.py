@@ -42,7 +42,8 @@ def checkpoint_layout(model, weights: Iterator[tuple[str, torch.Tensor]]
         yield from revert_weight_conversion(base, {name: t}).items()
 
 
-def _adapted(model, changed_only: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def _adapted(model, changed_only: bool, merged: bool = True
+             ) -> Iterator[tuple[str, torch.Tensor]]:
     from posttrain.models.lora import merged_weight
 
     base = model.get_base_model()
@@ -50,7 +51,8 @@ def _adapted(model, changed_only: bool) -> Iterator[tuple[str, torch.Tensor]]:
     for name, m in base.named_modules():
         prefix = f"{name}." if name else ""
         if hasattr(m, "lora_A") and hasattr(m, "base_layer"):
-            yield f"{prefix}weight", merged_weight(m)
+            yield f"{prefix}weight", (merged_weight(m) if merged
+                                      else full_tensor(m.base_layer.weight.detach()))
             if getattr(m.base_layer, "bias", None) is not None:
                 yield f"{prefix}bias", full_tensor(m.base_layer.bias.detach())
             done.add(prefix)
@@ -66,17 +68,18 @@ def _adapted(model, changed_only: bool) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, full_tensor(p.detach())
 
 
-def hf_weights(model, dtype: torch.dtype | None = None, changed_only: bool = False
-               ) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_weights(model, dtype: torch.dtype | None = None, changed_only: bool = False,
+               merged: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """``model``'s parameters as (name, whole tensor), one at a time (see the module
     docstring), on the CPU in ``dtype`` (the parameter's own when None). Tied weights come
     once, under the first name that holds them (``named_parameters`` lists a shared
     parameter once). ``changed_only``: only what training can change (the merged adapted
     layers and the trainable parameters), for a receiver that already holds the rest; a
-    frozen base is then not gathered at every sync."""
+    frozen base is then not gathered at every sync. ``merged=False``: an adapted model's
+    base weights, adapters left out (for a receiver that applies the adapter itself)."""
     from posttrain.models.lora import is_adapted
 
-    source = _adapted(model, changed_only) if is_adapted(model) else (
+    source = _adapted(model, changed_only, merged) if is_adapted(model) else (
         (n, full_tensor(p.detach())) for n, p in model.named_parameters()
         if not changed_only or p.requires_grad)
     for name, t in source:

@@ -40,12 +40,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The maximum LoRA ranks vLLM accepts (``--max-lora-rank``)."""
+
+
 class Fleet:
     """Servers this run started (see the module docstring)."""
 
     def __init__(self, model, tokenizer, n: int, key: str, log_dir: Path, *,
                  dtype, max_model_len: int | None = None, devices: list[str] | None = None,
-                 extra_args: str = "", kv_cache_gb: int = 1, seed: int = 0):
+                 extra_args: str = "", kv_cache_gb: int = 1, seed: int = 0,
+                 lora_rank: int | None = None):
         from posttrain.rollout.vllm import _tied_names, _write_model
 
         if devices and len(devices) != n:
@@ -70,11 +75,16 @@ class Fleet:
                        "--weight-transfer-config", '{"backend": "posttrain"}']
                 if max_model_len:
                     cmd += ["--max-model-len", str(max_model_len)]
+                if lora_rank:  # (vLLM takes one of a few maximum ranks)
+                    cmd += ["--enable-lora", "--max-loras", "1", "--max-lora-rank",
+                            str(min(r for r in LORA_RANKS if r >= lora_rank))]
                 env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1",
                        # the key in the environment, not on a command line others can read
                        "VLLM_API_KEY": key, "POSTTRAIN_ROLLOUT_KEY": key,
                        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE",
                                                                 str(kv_cache_gb))}
+                if lora_rank:  # (its /v1/load_lora_adapter, for the adapter pushes)
+                    env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
                 if devices:
                     env["CUDA_VISIBLE_DEVICES"] = devices[i]
                 elif not _cuda():

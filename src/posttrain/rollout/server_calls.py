@@ -61,10 +61,11 @@ class Server:
 
 
 def call(server: Server, path: str, body: dict | None, key: str | None, timeout: float,
-         method: str = "POST") -> dict:
+         method: str = "POST", text_ok: bool = False) -> dict:
     """One call to ``server``; :class:`ServerDown` when it does not answer within
     ``timeout`` s or drops the connection, :class:`RolloutServerError` when it answers with
-    an error. ``key``: the bearer token (vLLM's ``--api-key``)."""
+    an error. ``key``: the bearer token (vLLM's ``--api-key``); ``text_ok``: an answer that
+    is not JSON comes back as ``{"text": ...}`` (some of vLLM's routes answer in words)."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(server.url + path, data=data, method=method)
     req.add_header("Content-Type", "application/json")
@@ -91,5 +92,7 @@ def call(server: Server, path: str, body: dict | None, key: str | None, timeout:
     try:
         return json.loads(text) if text else {}
     except ValueError:
+        if text_ok:
+            return {"text": text.decode(errors="replace")}
         raise RolloutServerError(f"{server}: {path} answered with something other than "
                                  f"JSON: {text[:100]!r}") from None

@@ -17,6 +17,10 @@ fleet), which sample on their own devices while the trainer holds only this clie
   ``/finish_weight_update`` with the version, ``/resume``. The version names the run
   (``<run id>-<step>``), so a server restarted on other weights answers with another
   version and is refused.
+- **LoRA** (``adapter``): the servers hold the base weights (pushed once, at the start)
+  and each later push is the adapter alone, written as a peft directory in ``/dev/shm``
+  and loaded in place through ``/v1/load_lora_adapter``; the version is set with
+  ``/update_weight_version``. Servers on this host only (they read the directory).
 - **No hangs**: every call has a timeout (``timeout`` s). A server that does not answer
   in time or refuses the connection is named in one line and dropped; its requests go to
   the servers left (the same samples: seeds are per request); with none left the run stops
@@ -31,9 +35,7 @@ import contextlib
 import hashlib
 import os
 import secrets
-import shutil
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterable
@@ -42,8 +44,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from posttrain.models.weights import checkpoint_layout
 from posttrain.rollout.engine import RolloutEngine
+from posttrain.rollout.push_files import PushFiles, buckets
 from posttrain.rollout.server_calls import (
     RolloutServerError,
     Server,
@@ -54,7 +56,7 @@ from posttrain.rollout.server_calls import (
     shared_value,
 )
 from posttrain.rollout.types import Request, Rollout, SamplingParams, cut_at_stop, sample_seed
-from posttrain.rollout.vllm import _tied_names, _with_head
+from posttrain.rollout.vllm import _tied_names
 
 
 @dataclass
@@ -73,6 +75,11 @@ class ServerOptions:
     """Requests in flight per live server (the pool is this times the live servers)."""
     local: list[bool] = field(default_factory=list)
     """Per server: on this host (pushes go by file); default from the URL's host."""
+    adapter: str | None = None
+    """A LoRA policy's push: None = merged weights through the RL API; a name = the
+    servers hold the base weights and load the adapter alone under this name (vLLM's
+    ``/v1/load_lora_adapter``, servers started with ``--enable-lora``), and every request
+    names it."""
 
 
 _KEY = 16
@@ -99,7 +106,15 @@ class VLLMServerEngine(RolloutEngine):
         self._model, self._tied = model, _tied_names(model)
         self._made: dict[tuple[int, ...], list] = {}
         """The last call's sequences and their servers, by their first ``_KEY`` tokens."""
-        self._dir = None
+        self._files = PushFiles(self.run_id)
+        self.adapter = options.adapter
+        if self.adapter is not None and not all(s.local for s in self.servers):
+            raise ValueError("rollout_lora_push=adapter needs every rollout server on this "
+                             "host (a server reads the adapter from a path); use "
+                             "rollout_lora_push merged")
+        self._base_pushed = False
+        self._loaded: str | None = None
+        """The adapter the servers hold (its name: the adapter's and the version's)."""
         self.push_seconds = 0.0
         self.last_servers: list[int] = []
         """The server that drew each sample of the last call."""
@@ -108,7 +123,7 @@ class VLLMServerEngine(RolloutEngine):
                 self._wait_healthy(s)
             from posttrain.models.weights import hf_weights
 
-            self.sync(hf_weights(model, self.dtype), 0)
+            self.sync(hf_weights(model, self.dtype, merged=self.adapter is None), 0)
         except BaseException:
             self.close()
             raise
@@ -117,7 +132,7 @@ class VLLMServerEngine(RolloutEngine):
     def _call(self, server: Server, path: str, body: dict | None = None,
               method: str = "POST", timeout: float | None = None) -> dict:
         return call(server, path, body, self.options.key, timeout or self.options.timeout,
-                    method)
+                    method, text_ok=path.startswith("/v1/"))
 
     def _wait_healthy(self, server: Server) -> None:
         deadline = time.monotonic() + self.options.startup_timeout
@@ -163,6 +178,12 @@ class VLLMServerEngine(RolloutEngine):
                 "stop_token_ids": [eos] if eos is not None else None,
                 "detokenize": bool(p.stop)}
 
+    def _body(self, ids, params: dict) -> dict:
+        body = {"token_ids": list(ids), "sampling_params": params}
+        if self.adapter is not None:
+            body["model"] = self._loaded
+        return body
+
     def _home(self, prompt: tuple[int, ...], live: list[Server]) -> Server:
         """The live server a prompt goes to: where the sequence it extends was made, else
         the one its hash picks."""
@@ -180,7 +201,7 @@ class VLLMServerEngine(RolloutEngine):
             if not live:
                 raise RolloutServerError("every rollout server is down")
             server = self._home(prompt, live)
-            body = {"token_ids": list(prompt), "sampling_params": params}
+            body = self._body(prompt, params)
             try:
                 return server, self._call(server, "/inference/v1/generate", body)
             except ServerDown as e:
@@ -290,30 +311,11 @@ class VLLMServerEngine(RolloutEngine):
     def _score_one(self, server: Server, seq: list[int], k: int) -> torch.Tensor:
         params = {"n": 1, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0,
                   "detokenize": False}
-        out = self._call(server, "/inference/v1/generate",
-                         {"token_ids": list(seq), "sampling_params": params})
+        out = self._call(server, "/inference/v1/generate", self._body(seq, params))
         rows = out["prompt_logprobs"]
         return torch.tensor([float(rows[t][str(seq[t])]["logprob"]) for t in range(k, len(seq))])
 
     # --- weights ---------------------------------------------------------------------------
-    def _buckets(self, weights: Iterable[tuple[str, torch.Tensor]]):
-        """The stream in the checkpoint layout vLLM's loaders read, as safetensors blobs of
-        at most ``bucket_mb`` MiB (a larger tensor goes alone)."""
-        from safetensors.torch import save
-
-        limit, bucket, size = self.options.bucket_mb << 20, {}, 0
-        for name, t in _with_head(checkpoint_layout(self._model, weights), self._tied):
-            t = t.detach().to("cpu", self.dtype).contiguous()
-            if bucket and size + t.numel() * t.element_size() > limit:
-                yield save(bucket)
-                bucket, size = {}, 0
-            if any(t.data_ptr() == x.data_ptr() for x in bucket.values()):
-                t = t.clone()  # (a tied head: safetensors stores no shared tensors)
-            bucket[name] = t
-            size += t.numel() * t.element_size()
-        if bucket:
-            yield save(bucket)
-
     def sync(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Push the stream to every live server through vLLM's RL API (see the module
         docstring); a server that stops answering is dropped. Under ``torchrun`` rank 0
@@ -322,14 +324,17 @@ class VLLMServerEngine(RolloutEngine):
         from posttrain import dist
 
         t0 = time.perf_counter()
+        adapter_only = self.adapter is not None and self._base_pushed
         if dist.world_size() > 1 and dist.rank() != 0:
-            for _ in weights:
-                pass
+            if not adapter_only:  # (an adapter push reads nothing of the stream)
+                for _ in weights:
+                    pass
             dist.barrier()
             self.version, self._made = version, {}
             return
         tag, key = f"{self.run_id}-{version}", self.options.key or ""
         live, paused = self._live(), []
+        name = adapter = None
 
         def call(server: Server, path: str, body: dict | None = None) -> dict | None:
             """``path`` on ``server``; a server that fails it (no answer, or an error) is
@@ -346,15 +351,17 @@ class VLLMServerEngine(RolloutEngine):
             for server in live:
                 if call(server, "/pause?mode=wait") is not None:
                     paused.append(server)
-                call(server, "/init_weight_transfer_engine", {"init_info": {"key": key}})
-                call(server, "/start_weight_update")
-            for blob in self._buckets(weights):
+                if not adapter_only:
+                    call(server, "/init_weight_transfer_engine", {"init_info": {"key": key}})
+                    call(server, "/start_weight_update")
+            for blob in (() if adapter_only else buckets(
+                    self._model, self._tied, weights, self.dtype, self.options.bucket_mb)):
                 inline = path = None
                 for server in live:
                     if not server.alive:
                         continue
                     if server.local and path is None:
-                        path = self._bucket_file(blob)
+                        path = self._files.bucket(blob)
                     elif not server.local and inline is None:
                         inline = base64.b64encode(blob).decode()
                     info = ({"key": key, "path": path} if server.local else
@@ -362,8 +369,19 @@ class VLLMServerEngine(RolloutEngine):
                     call(server, "/update_weights", {"update_info": info})
                 if path is not None:
                     os.unlink(path)  # (read by every server on this host by now)
+            if self.adapter is not None:  # (a new name a version: vLLM reloads an adapter
+                # loaded "in place" at every batch that uses it)
+                name = f"{self.adapter}-{version}"
+                adapter = self._files.adapter(self._model, name)
             for server in live:
-                call(server, "/finish_weight_update", {"weight_version": tag})
+                if not adapter_only:
+                    call(server, "/finish_weight_update", {"weight_version": tag})
+                if adapter is not None:
+                    if call(server, "/v1/load_lora_adapter", {
+                            "lora_name": name, "lora_path": adapter}) is not None:
+                        call(server, "/update_weight_version", {"new_version": tag})
+                    if self._loaded is not None and self._loaded != name:
+                        call(server, "/v1/unload_lora_adapter", {"lora_name": self._loaded})
                 done = call(server, "/reset_prefix_cache")
                 if done is not None and done.get("success") is False:
                     self._drop(server, "could not reset its prefix cache after the push "
@@ -379,25 +397,17 @@ class VLLMServerEngine(RolloutEngine):
                                      "once they answer")
         if dist.world_size() > 1:
             dist.barrier()
+        if name is not None:
+            if self._loaded not in (None, name):
+                self._files.drop(self._loaded)
+            self._loaded = name
         self.version = version
         self._made = {}
+        self._base_pushed = True
         self.push_seconds = time.perf_counter() - t0
 
-    def _bucket_file(self, blob: bytes) -> str:
-        """``blob`` as a file the servers on this host read (``/dev/shm`` where there is
-        one: memory, not disk)."""
-        if self._dir is None:
-            self._dir = tempfile.mkdtemp(prefix=f"posttrain-push-{self.run_id}-",
-                                         dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-        path = os.path.join(self._dir, "bucket.safetensors")
-        with open(path, "wb") as f:
-            f.write(blob)
-        return path
-
     def close(self) -> None:
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = None
+        self._files.close()
         fleet, self.fleet = self.fleet, None
         if fleet is not None:
             fleet.close()

@@ -60,37 +60,64 @@ def build_engine(cfg, policy, sampler, tokenizer):
 
 def server_engine(cfg, policy, tokenizer):
     """The ``vllm_server`` engine over the servers ``rollout_servers`` names, or over
-    ``launch_rollout_servers`` servers started now (owned by the engine, stopped with it)."""
+    ``launch_rollout_servers`` servers started now (owned by the engine, stopped with it;
+    under torchrun rank 0 starts and owns them, and every rank samples from them)."""
     import os
-    import secrets
-    from pathlib import Path
 
-    from posttrain.rollout.fleet import Fleet
     from posttrain.rollout.vllm_server import ServerOptions, VLLMServerEngine
 
     dtype = getattr(torch, cfg.rollout_dtype if cfg.samples_in_own_dtype else cfg.dtype)
     fleet = None
     if cfg.launch_rollout_servers:
-        key = secrets.token_urlsafe(24)
-        longest = getattr(getattr(policy, "config", None), "max_position_embeddings", None)
-        fleet = Fleet(policy, tokenizer, cfg.launch_rollout_servers, key,
-                      Path(cfg.output_dir) / "rollout-servers", dtype=dtype,
-                      max_model_len=longest, devices=cfg.server_devices,
-                      extra_args=cfg.rollout_server_args, kv_cache_gb=cfg.vllm_kv_cache_gb,
-                      seed=cfg.seed)
-        urls = fleet.urls
+        fleet, key, urls = _launch(cfg, policy, tokenizer, dtype)
     else:
         key = os.environ.get("POSTTRAIN_ROLLOUT_KEY")
         urls = cfg.server_urls
     options = ServerOptions(urls, key, cfg.rollout_timeout,
                             dtype=str(dtype).removeprefix("torch."),
-                            startup_timeout=cfg.rollout_server_startup)
+                            startup_timeout=cfg.rollout_server_startup,
+                            adapter="posttrain-policy" if cfg.lora_push == "adapter" else None)
     try:
         return VLLMServerEngine(policy, tokenizer, options, fleet)
     except BaseException:
         if fleet is not None:
             fleet.close()
         raise
+
+
+def _launch(cfg, policy, tokenizer, dtype):
+    """``(fleet, key, urls)`` of the servers this run starts: rank 0 starts them (its fleet;
+    None on the other ranks) and sends every rank their addresses and key, or its error."""
+    import json
+    import secrets
+    from pathlib import Path
+
+    from posttrain import dist
+    from posttrain.rollout.fleet import Fleet
+    from posttrain.rollout.server_calls import shared_value
+
+    fleet = error = None
+    message = ""
+    if dist.is_main():
+        key = secrets.token_urlsafe(24)
+        longest = getattr(getattr(policy, "config", None), "max_position_embeddings", None)
+        try:
+            fleet = Fleet(policy, tokenizer, cfg.launch_rollout_servers, key,
+                          Path(cfg.output_dir) / "rollout-servers", dtype=dtype,
+                          max_model_len=longest, devices=cfg.server_devices,
+                          extra_args=cfg.rollout_server_args,
+                          kv_cache_gb=cfg.vllm_kv_cache_gb, seed=cfg.seed,
+                          lora_rank=cfg.lora_rank if cfg.lora_push == "adapter" else None)
+            message = json.dumps({"key": key, "urls": fleet.urls})
+        except BaseException as e:  # (the other ranks wait for the message: send it)
+            error = e
+            message = json.dumps({"error": f"{type(e).__name__}: {e}"})
+    got = json.loads(shared_value(message))  # (rank 0's, on every rank)
+    if error is not None:
+        raise error
+    if "error" in got:
+        raise RuntimeError(f"rank 0 could not start the rollout servers: {got['error']}")
+    return fleet, got["key"], got["urls"]
 
 
 def make_guard(cfg, engine, policy, prompts: list[tuple[int, ...]]) -> SyncGuard | None:

@@ -1,0 +1,73 @@
+"""What a weight push hands the rollout servers (``rollout/vllm_server.py``): the weight
+stream as safetensors buckets, and the files that servers on this host read — a bucket,
+or a LoRA policy's adapter as a peft directory — in one scratch directory in ``/dev/shm``
+(memory, not disk) that lives as long as the engine."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from posttrain.models.weights import checkpoint_layout
+from posttrain.rollout.vllm import _with_head
+
+
+def buckets(model, tied, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
+            limit_mb: int) -> Iterator[bytes]:
+    """The stream in the checkpoint layout vLLM's loaders read (``model``'s; ``tied``: its
+    tied head's names, sent as a tensor of its own), as safetensors blobs of at most
+    ``limit_mb`` MiB (a larger tensor goes alone)."""
+    from safetensors.torch import save
+
+    limit, bucket, size = limit_mb << 20, {}, 0
+    for name, t in _with_head(checkpoint_layout(model, weights), tied):
+        t = t.detach().to("cpu", dtype).contiguous()
+        if bucket and size + t.numel() * t.element_size() > limit:
+            yield save(bucket)
+            bucket, size = {}, 0
+        if any(t.data_ptr() == x.data_ptr() for x in bucket.values()):
+            t = t.clone()  # (a tied head: safetensors stores no shared tensors)
+        bucket[name] = t
+        size += t.numel() * t.element_size()
+    if bucket:
+        yield save(bucket)
+
+
+class PushFiles:
+    """The engine's scratch directory for servers on this host (made on first use)."""
+
+    def __init__(self, run_id: str):
+        self.run_id = run_id
+        self.dir: str | None = None
+
+    def _path(self, name: str) -> str:
+        if self.dir is None:
+            self.dir = tempfile.mkdtemp(prefix=f"posttrain-push-{self.run_id}-",
+                                        dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        return os.path.join(self.dir, name)
+
+    def bucket(self, blob: bytes) -> str:
+        """``blob`` as a file (one at a time: unlink it once every server has read it)."""
+        path = self._path("bucket.safetensors")
+        with open(path, "wb") as f:
+            f.write(blob)
+        return path
+
+    def adapter(self, model, name: str) -> str:
+        """``model``'s adapter now (a peft model's), as the directory ``name``."""
+        path = self._path(name)
+        model.save_pretrained(path, safe_serialization=True)
+        return path
+
+    def drop(self, name: str) -> None:
+        if self.dir is not None:
+            shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)
+
+    def close(self) -> None:
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir = None
