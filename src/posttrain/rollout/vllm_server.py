@@ -112,9 +112,8 @@ class VLLMServerEngine(RolloutEngine):
             raise ValueError("rollout_lora_push=adapter needs every rollout server on this "
                              "host (a server reads the adapter from a path); use "
                              "rollout_lora_push merged")
-        self._base_pushed = False
-        self._loaded: str | None = None
-        """The adapter the servers hold (its name: the adapter's and the version's)."""
+        self._pushed = False
+        """Whether the first push (the base weights, with an adapter) is done."""
         self.push_seconds = 0.0
         self.last_servers: list[int] = []
         """The server that drew each sample of the last call."""
@@ -181,8 +180,13 @@ class VLLMServerEngine(RolloutEngine):
     def _body(self, ids, params: dict) -> dict:
         body = {"token_ids": list(ids), "sampling_params": params}
         if self.adapter is not None:
-            body["model"] = self._loaded
+            body["model"] = self._adapter_name(self.version)
         return body
+
+    def _adapter_name(self, version: int) -> str:
+        """What the servers call the adapter of ``version`` (a name a version: vLLM reloads
+        an adapter loaded "in place" at every batch that uses it)."""
+        return f"{self.adapter}-{version}"
 
     def _home(self, prompt: tuple[int, ...], live: list[Server]) -> Server:
         """The live server a prompt goes to: where the sequence it extends was made, else
@@ -324,17 +328,18 @@ class VLLMServerEngine(RolloutEngine):
         from posttrain import dist
 
         t0 = time.perf_counter()
-        adapter_only = self.adapter is not None and self._base_pushed
+        adapter_only = self.adapter is not None and self._pushed
         if dist.world_size() > 1 and dist.rank() != 0:
             if not adapter_only:  # (an adapter push reads nothing of the stream)
                 for _ in weights:
                     pass
             dist.barrier()
-            self.version, self._made = version, {}
+            self.version, self._made, self._pushed = version, {}, True
             return
         tag, key = f"{self.run_id}-{version}", self.options.key or ""
         live, paused = self._live(), []
-        name = adapter = None
+        adapter = None
+        name, old = self._adapter_name(version), self._adapter_name(self.version)
 
         def call(server: Server, path: str, body: dict | None = None) -> dict | None:
             """``path`` on ``server``; a server that fails it (no answer, or an error) is
@@ -369,9 +374,7 @@ class VLLMServerEngine(RolloutEngine):
                     call(server, "/update_weights", {"update_info": info})
                 if path is not None:
                     os.unlink(path)  # (read by every server on this host by now)
-            if self.adapter is not None:  # (a new name a version: vLLM reloads an adapter
-                # loaded "in place" at every batch that uses it)
-                name = f"{self.adapter}-{version}"
+            if self.adapter is not None:
                 adapter = self._files.adapter(self._model, name)
             for server in live:
                 if not adapter_only:
@@ -380,8 +383,8 @@ class VLLMServerEngine(RolloutEngine):
                     if call(server, "/v1/load_lora_adapter", {
                             "lora_name": name, "lora_path": adapter}) is not None:
                         call(server, "/update_weight_version", {"new_version": tag})
-                    if self._loaded is not None and self._loaded != name:
-                        call(server, "/v1/unload_lora_adapter", {"lora_name": self._loaded})
+                    if adapter_only and old != name:
+                        call(server, "/v1/unload_lora_adapter", {"lora_name": old})
                 done = call(server, "/reset_prefix_cache")
                 if done is not None and done.get("success") is False:
                     self._drop(server, "could not reset its prefix cache after the push "
@@ -397,13 +400,11 @@ class VLLMServerEngine(RolloutEngine):
                                      "once they answer")
         if dist.world_size() > 1:
             dist.barrier()
-        if name is not None:
-            if self._loaded not in (None, name):
-                self._files.drop(self._loaded)
-            self._loaded = name
+        if adapter_only and old != name:
+            self._files.drop(old)
         self.version = version
         self._made = {}
-        self._base_pushed = True
+        self._pushed = True
         self.push_seconds = time.perf_counter() - t0
 
     def close(self) -> None:

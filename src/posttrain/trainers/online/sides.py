@@ -58,8 +58,6 @@ class InlineSide:
     (streamed one tensor at a time; nothing is copied for an engine that decodes with the
     policy itself) and the guard checks it."""
 
-    staleness = 0
-
     def __init__(self, experience, engine, guard):
         self.experience, self.engine, self.guard = experience, engine, guard
         self.traits = EngineTraits(engine)
