@@ -168,8 +168,10 @@ def test_a_server_killed_mid_run_leaves_the_run_as_it_would_have_been(fleet, tmp
     from safetensors.torch import load_file
 
     monkeypatch.setenv("POSTTRAIN_ROLLOUT_KEY", fleet.key)
+    # log_every 1: the loss of step 2 is on disk when step 2 ends, so the kill lands in the
+    # middle of the run (at the default 5 the first row is the last step's, after sampling)
     args = ("--rollout_servers", ",".join(fleet.urls), "--max_steps", "5",
-            "--eval_every", "0")
+            "--eval_every", "0", "--log_every", "1")
     whole = _grpo(tmp_path / "whole", *args)
     assert whole.returncode == 0, whole.stderr[-2000:]
     out = tmp_path / "killed"
