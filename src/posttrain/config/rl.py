@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
+from posttrain.config.agents import AgentFields
 from posttrain.config.base import RunConfig
 from posttrain.config.errors import ConfigError, check
 from posttrain.config.rewards import RewardFields
@@ -21,7 +22,8 @@ command, so it is not one)."""
 
 
 @dataclass
-class RLConfig(SamplerSideFields, RewardFields, RolloutServerFields, RunConfig):
+class RLConfig(AgentFields, SamplerSideFields, RewardFields, RolloutServerFields,
+               RunConfig):
     """On-policy RL with verifiable rewards (the critic-free algorithms of the table)."""
 
     COMMAND: ClassVar[str] = "grpo"
@@ -200,8 +202,9 @@ class RLConfig(SamplerSideFields, RewardFields, RolloutServerFields, RunConfig):
 
     @property
     def episodic(self) -> bool:
-        """Multi-turn episodes (``env`` or ``tools``) rather than single completions."""
-        return bool(self.env or self.tools)
+        """Multi-turn episodes (``env``, ``tools`` or ``agent``) rather than single
+        completions."""
+        return bool(self.env or self.tools or self.agent)
 
     def validate(self) -> None:
         super().validate()
@@ -215,6 +218,7 @@ class RLConfig(SamplerSideFields, RewardFields, RolloutServerFields, RunConfig):
         self._check_servers()
         self._check_rewards()
         self._check_env()
+        self._check_agent()
         self._check_async()
         check(self.routing_replay in ("none", "r2", "r3"),
               "routing_replay must be none, r2 or r3")
@@ -224,7 +228,7 @@ class RLConfig(SamplerSideFields, RewardFields, RolloutServerFields, RunConfig):
                   "(vLLM 0.32 returns them only from its model runner V2, which needs "
                   "Triton, so not on CPU; posttrain does not read them yet); use "
                   "rollout_backend hf or lean, or routing_replay r2")
-        if self.data is not None and not self.reward and not self.env:
+        if self.data is not None and not self.reward and not self.env and not self.agent:
             if self.tools:
                 raise ConfigError("--tools needs --reward: the terms that score each "
                                   "episode's answer")
@@ -275,9 +279,10 @@ class RLConfig(SamplerSideFields, RewardFields, RolloutServerFields, RunConfig):
 
     def _check_env(self) -> None:
         if not self.env and not self.tools:
-            self.refuse(("env_kwargs", "env_timeout", "env_workers", "max_turns",
-                         "max_episode_tokens", "tool_error_reward", "partial_rollouts"),
-                        "single-turn runs (they set the episodes of --env or --tools)")
+            if not self.agent:
+                self.refuse(("env_kwargs", "env_timeout", "env_workers", "max_turns",
+                             "max_episode_tokens", "tool_error_reward", "partial_rollouts"),
+                            "single-turn runs (they set the episodes of --env or --tools)")
             return
         check(not (self.env and self.tools), "--env and --tools are two environments; "
               "choose one (a tool-calling environment of your own can call the functions)")

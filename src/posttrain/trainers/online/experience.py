@@ -8,6 +8,7 @@ algorithm asks. The learner shapes the scores (:mod:`.shaping`).
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 
@@ -72,13 +73,20 @@ class ExperienceMaker:
         if cfg.episodic:
             from posttrain.episodes import EnvSpec, EpisodeLimits, Renderer, tool_spec
 
-            if cfg.tools:
+            if getattr(cfg, "agent", None):
+                from posttrain.agents import AgentSpec
+
+                self.env, tools = AgentSpec.parse(cfg.agent, cfg.agent_timeout,
+                                                  cfg.agent_concurrency, cfg.tool_parser), None
+            elif cfg.tools:
                 self.env, tools = tool_spec(cfg.tools, tokenizer, cfg.tool_error_reward,
                                             cfg.env_timeout)
             else:
                 self.env, tools = EnvSpec.parse(cfg.env, cfg.env_kwargs, cfg.env_timeout), None
             self.limits = EpisodeLimits(cfg.max_turns, cfg.max_episode_tokens)
             self.renderer = Renderer(tokenizer, tools)
+        self.hub = None
+        """The agents' endpoint (``--agent``), started with the first episodes."""
         self.before_turn = None
         """Called before each turn of an episode after its first (partial rollouts: the
         producer's chance to take newer weights), or None."""
@@ -88,6 +96,30 @@ class ExperienceMaker:
         self.completion = "answer" if getattr(cfg, "tools", None) else "transcript"
         """What the reward terms score of an episode: its last turn (tools), or the whole
         transcript."""
+
+    @property
+    def agents(self) -> bool:
+        """Episodes are played by an agent program (``--agent``)."""
+        return type(self.env).__name__ == "AgentSpec"
+
+    def agent_hub(self, params: SamplingParams | None = None):
+        """The agents' endpoint, started once (``params``: the sampling it enforces; the
+        run's)."""
+        if self.hub is None:
+            from posttrain.agents import Hub
+            from posttrain.episodes import Renderer
+
+            renderers: dict = {}
+
+            def renderer_for(tools):
+                key = json.dumps(tools, sort_keys=True) if tools else ""
+                if key not in renderers:
+                    renderers[key] = Renderer(self.tok, tools)
+                return renderers[key]
+
+            self.hub = Hub(self.env, self.tok, renderer_for, params or self.params,
+                           self.cfg.max_episode_tokens, self.cfg.max_length)
+        return self.hub
 
     def prompt_ids(self, row: dict) -> tuple[int, ...]:
         """The row's prompt as token ids, tokenised once per run (plain text)."""
@@ -101,6 +133,10 @@ class ExperienceMaker:
         environment the first message of an episode of it."""
         if self.env is None:
             return self.prompt_ids(row)
+        if self.agents:  # (the agent writes the messages: the row itself stands for them)
+            text = row["prompt"] if isinstance(row.get("prompt"), str) else json.dumps(
+                {k: v for k, v in row.items() if k != "_row"}, sort_keys=True, default=str)
+            return tuple(self.renderer.start([{"role": "user", "content": text}]))
         from posttrain.episodes import Episode
 
         first = Episode.of(self.env, row, 1).reset()
@@ -125,6 +161,12 @@ class ExperienceMaker:
             requests = [Request(self.prompt_ids(r), s) for r, s in zip(rows, seeds, strict=True)]
             rollout = self.engine.generate(requests, n, params, extras=extras)
             eps = None
+        elif self.agents:
+            from posttrain.agents import run_agents
+
+            eps = run_agents(self.agent_hub(), self.engine, self.tok, rows, n, seeds, params,
+                             self.cfg.on_reward_error, bool(self.rewards), extras & {"routing"})
+            rollout = eps.rollout
         else:
             from posttrain.episodes import run_episodes
 
@@ -179,7 +221,13 @@ class ExperienceMaker:
         if not rows:
             return [0.0, 0.0, 0.0]
         cfg = self.cfg
-        if self.env is not None:
+        if self.agents:
+            from posttrain.agents import greedy_agents
+
+            correct, total, valid = greedy_agents(
+                self.agent_hub(), engine, self.tok, rows, self.rewards, cfg.max_new_tokens,
+                self.params.stop, cfg.eval_batch_size)
+        elif self.env is not None:
             from posttrain.episodes.evaluate import greedy_episodes
 
             correct, total, valid = greedy_episodes(
