@@ -111,6 +111,15 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--max_turns", type=int, default=4)
     ev.add_argument("--max_episode_tokens", type=int, default=256)
     ev.add_argument("--env_timeout", type=float, default=30.0)
+    ev.add_argument("--agent", default=None,
+                    help="episodes played by an agent program (file.py:fn, module:fn or "
+                         "builtin) through the run's OpenAI-compatible endpoint; one greedy "
+                         "episode per row")
+    ev.add_argument("--agent_timeout", type=float, default=300.0)
+    ev.add_argument("--agent_concurrency", type=int, default=64)
+    ev.add_argument("--tool_parser", default="auto",
+                    help="--agent: hermes, llama3_json, mistral, plain or ask (auto: from the "
+                         "chat template)")
     ev.add_argument("--fast", default="true", choices=["true", "false"],
                     help="false: the plain path (hf engine, no posttrain.fast speed-ups)")
     mg = sub.add_parser("merge", help="a LoRA run's adapter merged into its base: a plain "
@@ -164,11 +173,12 @@ def _run_eval(args) -> int:
     from posttrain.rewards import load_reward
     from posttrain.rollout import make_engine
 
-    for key in ("n", "max_new_tokens", "batch_size", "max_turns", "max_episode_tokens"):
+    for key in ("n", "max_new_tokens", "batch_size", "max_turns", "max_episode_tokens",
+                "agent_concurrency"):
         if getattr(args, key) < 1:
             raise ConfigError(f"eval --{key} must be ≥ 1, got {getattr(args, key)}")
     check_device(args.device)
-    if args.env or args.tools:
+    if args.env or args.tools or args.agent:
         return _run_eval_episodes(args)
     if args.data is None:
         if args.task not in (None, "builtin"):
@@ -199,7 +209,8 @@ def _run_eval(args) -> int:
 
 
 def _run_eval_episodes(args) -> int:
-    """``eval --env`` / ``--tools``: one greedy episode per row, as training evaluates."""
+    """``eval --env`` / ``--tools`` / ``--agent``: one greedy episode per row, as training
+    evaluates."""
     from posttrain import data as data_mod
     from posttrain import fast
     from posttrain.builtin import episodes
@@ -210,43 +221,73 @@ def _run_eval_episodes(args) -> int:
     from posttrain.rewards import parse_rewards
     from posttrain.rollout import make_engine
 
-    if args.env and args.tools:
-        raise ConfigError("eval: --env and --tools are two environments; choose one")
+    if sum(map(bool, (args.env, args.tools, args.agent))) > 1:
+        raise ConfigError("eval: --env, --tools and --agent each play the episodes; choose "
+                          "one")
+    if args.agent and args.env_kwargs:
+        raise ConfigError("eval: --env_kwargs are --env's class's; an --agent takes none")
+    if args.agent_timeout <= 0:
+        raise ConfigError(f"eval --agent_timeout must be > 0, got {args.agent_timeout}")
     if args.tools and args.env_kwargs:
         raise ConfigError("eval: --env_kwargs are --env's class's; --tools' environment "
                           "takes the functions alone")
     model_name = args.model
-    if args.env == "builtin" and model_name == "builtin":
+    builtin = "builtin" in (args.env, args.agent)
+    if builtin and model_name == "builtin":
         model_name = "builtin-episodes"
     if args.data is None:
-        if args.env != "builtin":
-            raise ConfigError(f"eval --{'env' if args.env else 'tools'} needs --data")
+        if not builtin:
+            kind = "env" if args.env else "tools" if args.tools else "agent"
+            raise ConfigError(f"eval --{kind} needs --data")
         rows = episodes.rows(args.n, "eval")
     else:
         rows = data_mod.load(args.data, "rl" if args.tools else "env")[1]
     if args.tools and not args.reward:
         raise ConfigError("eval --tools needs --reward: the terms that score the answer")
     tok = load_tokenizer(model_name, args.trust_remote_code)
-    if args.tools:
+    spec = tools = None
+    if args.agent:
+        from posttrain.agents import AgentSpec
+
+        spec = AgentSpec.parse(args.agent, args.agent_timeout, args.agent_concurrency,
+                               args.tool_parser)
+    elif args.tools:
         spec, tools = tool_spec(args.tools, tok, args.tool_error_reward, args.env_timeout)
     else:
-        spec, tools = EnvSpec.parse(args.env, args.env_kwargs, args.env_timeout), None
+        spec = EnvSpec.parse(args.env, args.env_kwargs, args.env_timeout)
     use_fast = args.fast == "true"
     model = fast.prepare_model(load_causal_lm(model_name, device=args.device,
                                               trust_remote_code=args.trust_remote_code),
                                use_fast)
     engine = make_engine("auto", model, tok, use_fast)
     errors: list[str] = []
-    result = evaluate_episodes(engine, tok, spec, rows, parse_rewards(args.reward or ""),
-                               EpisodeLimits(args.max_turns, args.max_episode_tokens),
-                               args.max_new_tokens, args.batch_size, Renderer(tok, tools),
-                               "answer" if args.tools else "transcript", errors)
+    rewards = parse_rewards(args.reward or "")
+    if args.agent:
+        result = _eval_agents(spec, engine, tok, rows, rewards, args, errors)
+    else:
+        result = evaluate_episodes(engine, tok, spec, rows, rewards,
+                                   EpisodeLimits(args.max_turns, args.max_episode_tokens),
+                                   args.max_new_tokens, args.batch_size, Renderer(tok, tools),
+                                   "answer" if args.tools else "transcript", errors)
     print(_json({"model": model_name, **result}))
     if errors:  # (they count as wrong; say why)
         first = " ".join(errors[0].split())
         print(f"eval: {len(errors)} of {len(rows)} rows skipped (counted as wrong); the "
               f"first: {first:.600}", file=sys.stderr)
     return 0
+
+
+def _eval_agents(spec, engine, tok, rows, rewards, args, errors) -> dict:
+    """``eval --agent``: one greedy episode per row through an endpoint of its own."""
+    from posttrain.agents import Hub, greedy_agents
+    from posttrain.episodes.evaluate import summary
+
+    hub = Hub(spec, tok, args.max_episode_tokens)
+    try:
+        return summary(*greedy_agents(hub, engine, tok, rows, rewards, args.max_new_tokens,
+                                      batch_size=args.batch_size, errors=errors))
+    finally:
+        hub.close()
 
 
 def _run_merge(args) -> int:

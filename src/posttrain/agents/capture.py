@@ -13,15 +13,19 @@ as the endpoint's own by its content and tool calls (their names and arguments; 
 the model sees again — it is never re-tokenised.
 
 Any other request **splits** the episode: the agent rewrote its history (dropped or
-summarised turns, edited a message, changed the tools), so the request's messages are
-rendered afresh as the prompt of a new trajectory. Each trajectory is trained on exactly
-its own sampled tokens.
+summarised turns, edited a message, changed the tools), or the chat template itself would
+render the history otherwise (one that drops the ``<think>`` part of earlier turns once a
+new user message follows, as Qwen3's does), so the request's messages are rendered afresh
+as the prompt of a new trajectory. Each trajectory is trained on exactly its own sampled
+tokens.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+
+from posttrain.episodes.render import TemplateError
 
 
 class RequestError(ValueError):
@@ -116,6 +120,8 @@ class Trajectory:
     ended: bool = True
     """The last turn ended with eos (the template's closing then follows it)."""
     requests: int = 0
+    reasoning: bool = False
+    """The last turn began with ``<think>…</think>`` (a template may drop it from history)."""
 
 
 @dataclass
@@ -157,8 +163,13 @@ class Capture:
                 and messages[:len(t.convo) - 1] == t.convo[:-1] \
                 and same_turn(messages[len(t.convo) - 1], t.convo[-1]):
             new = messages[len(t.convo):]
-            added = render.between(t.ended, new)
-            return Plan(t.prompt + t.tokens + added, t, added, messages, key)
+            if not t.reasoning or render.keeps_reasoning(new):
+                try:
+                    added = render.between(t.ended, new)
+                except TemplateError:  # (earlier turns render otherwise now: split)
+                    pass
+                else:
+                    return Plan(t.prompt + t.tokens + added, t, added, messages, key)
         try:
             return Plan(render.start(messages), None, [], messages, key)
         except Exception as e:  # (a template that cannot render these messages)
@@ -176,9 +187,10 @@ class Capture:
         return Plan(list(ids), None, [], [], "")
 
     def record(self, plan: Plan, ids: list[int], logps: list[float], version: int,
-               ended: bool, answer: dict) -> Trajectory:
+               ended: bool, answer: dict, reasoning: bool = False) -> Trajectory:
         """A sampled answer to the request of ``plan``: ``answer`` is the assistant message
-        the endpoint returned (normalised)."""
+        the endpoint returned (normalised); ``reasoning``: it began with a ``<think>``
+        part."""
         t = plan.extends
         if t is None:
             t = Trajectory(list(plan.ids), plan.tools)
@@ -188,6 +200,6 @@ class Capture:
         t.logps += [0.0] * len(plan.added) + logps
         t.versions += [version] * (len(plan.added) + len(ids))
         t.convo = [*plan.messages, answer]
-        t.ended = ended
+        t.ended, t.reasoning = ended, reasoning
         t.requests += 1
         return t

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import math
 import numbers
 import secrets
@@ -38,6 +39,7 @@ from posttrain.agents import parsers
 from posttrain.agents.capture import Capture, RequestError, normalise
 from posttrain.agents.endpoint import Endpoint, error
 from posttrain.calls import Workers
+from posttrain.episodes.render import Renderer
 from posttrain.rollout import Request, SamplingParams
 from posttrain.rollout.types import sample_seed, stream_seed
 
@@ -98,6 +100,7 @@ class _Episode:
     label: object
     seed: int | None
     capture: Capture
+    params: SamplingParams
     lock: threading.Lock = field(default_factory=threading.Lock)
     requests: int = 0
     started: float | None = None
@@ -123,10 +126,10 @@ class Hub:
     """The endpoint and the episodes it serves, kept for the whole run (one port, one
     key); :meth:`run` serves one batch of episodes."""
 
-    def __init__(self, spec: AgentSpec, tokenizer, renderer_for, params: SamplingParams,
-                 max_episode_tokens: int, max_length: int | None = None):
-        self.spec, self.tok, self.params = spec, tokenizer, params
-        self.renderer_for, self.max_episode_tokens = renderer_for, max_episode_tokens
+    def __init__(self, spec: AgentSpec, tokenizer, max_episode_tokens: int,
+                 max_length: int | None = None):
+        self.spec, self.tok, self.max_episode_tokens = spec, tokenizer, max_episode_tokens
+        self._renderers: dict[str, Renderer] = {}
         self.max_length = max_length
         self.parser = parsers.resolve(tokenizer, spec.parser)
         self.key = secrets.token_hex(16)
@@ -138,6 +141,14 @@ class Hub:
         self.url = self.endpoint.url
         self._runs = 0
         self._shared = None
+
+    def renderer_for(self, tools: list | None) -> Renderer:
+        """The renderer of a request's tools (one per distinct set, kept)."""
+        key = json.dumps(tools, sort_keys=True) if tools else ""
+        with self.cond:
+            if key not in self._renderers:
+                self._renderers[key] = Renderer(self.tok, tools)
+            return self._renderers[key]
 
     def close(self) -> None:
         if self._shared is not None:
@@ -172,7 +183,7 @@ class Hub:
                 return 400, error(str(e), 400)
             ep.requests += 1
             spent = ep.capture.spent + len(plan.added)
-            budget = min(self.params.max_new_tokens, self.max_episode_tokens - spent)
+            budget = min(ep.params.max_new_tokens, self.max_episode_tokens - spent)
             if self.max_length:
                 budget = min(budget, self.max_length - len(plan.ids))
             if budget <= 0:
@@ -203,7 +214,7 @@ class Hub:
             if calls:
                 answer["tool_calls"] = normalise([{"role": "assistant",
                                                    "tool_calls": calls}])[0]["tool_calls"]
-            ep.capture.record(plan, ids, logps, version, ended, answer)
+            ep.capture.record(plan, ids, logps, version, ended, answer, reasoning is not None)
             finish = "tool_calls" if calls else "length" if len(ids) >= budget and \
                 not ended else "stop"
             ep.finish = finish
@@ -245,7 +256,7 @@ class Hub:
 
     def _check_sampling(self, ep: _Episode, body: dict) -> None:
         """Sampling parameters are the run's: a request may repeat them, not change them."""
-        p = self.params
+        p = ep.params
         run = {"temperature": p.temperature, "top_p": p.top_p}
         bad = [k for k, v in run.items() if body.get(k) is not None and
                (not isinstance(body[k], numbers.Real) or float(body[k]) != v)]
@@ -294,7 +305,7 @@ class Hub:
         self._runs += 1
         eps = [_Episode(f"{self._runs}-{i}-{j}", dict(row), row.get("_row", i + 1),
                         None if seeds[i] is None else sample_seed(seeds[i], j),
-                        Capture(self.renderer_for))
+                        Capture(self.renderer_for), params)
                for i, row in enumerate(rows) for j in range(n)]
         with self.cond:
             self.episodes = {e.name: e for e in eps}

@@ -46,8 +46,8 @@ class DistillConfig(RLConfig):
               "student's vocabulary)")
         check(0.0 <= self.beta <= 1.0, f"beta must be in [0, 1], got {self.beta}")
         check(self.reward_coef >= 0, f"reward_coef must be ≥ 0, got {self.reward_coef}")
-        check(not self.episodic, "distill trains single-turn completions (no --env or "
-              "--tools yet)")
+        check(not self.episodic, "distill trains single-turn completions (no --env, --tools "
+              "or --agent yet)")
         check(self.share_prompt is not True, "distill runs whole sequences (share_prompt "
               "false)")
         check(self.kl_coef in (None, 0.0), "distill has no reference policy: leave kl_coef 0")

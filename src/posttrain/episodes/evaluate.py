@@ -73,7 +73,14 @@ def evaluate_episodes(engine, tokenizer, spec, rows: list[dict], rewards, limits
                                             max_new_tokens, batch_size=batch_size,
                                             renderer=renderer, on_error="skip",
                                             completion=completion, errors=errors)
-    n = len(rows)
+    return summary(correct, total, valid)
+
+
+def summary(correct: torch.Tensor, total: torch.Tensor, valid: torch.Tensor) -> dict:
+    """What ``posttrain eval`` prints of greedy episodes' per-row ``(correct, total,
+    valid)``: ``accuracy`` over every row (a skipped one is wrong), ``mean_reward`` over the
+    valid ones, ``n``, and ``skipped`` where any were."""
+    n = len(correct)
     mean = float(total[valid].double().mean()) if valid.any() else float("nan")
-    return {"accuracy": float(correct.sum()) / n, "mean_reward": mean, "n": n,
-            **({"skipped": int((~valid).sum())} if not valid.all() else {})}
+    return {"accuracy": float(correct.sum()) / n if n else float("nan"), "mean_reward": mean,
+            "n": n, **({"skipped": int((~valid).sum())} if not valid.all() else {})}

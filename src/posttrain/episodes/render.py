@@ -30,6 +30,7 @@ closed by eos and a newline.
 from __future__ import annotations
 
 _PROBE_USER, _PROBE_ASSISTANT = "U", "A"
+_PROBE_REASONING = "posttrain-probe-reasoning"
 
 
 class TemplateError(ValueError):
@@ -47,6 +48,7 @@ class Renderer:
         self.chat = bool(getattr(tokenizer, "chat_template", None))
         self.eos_text = tokenizer.eos_token or ""
         self._closing: str | None = None  # what the template puts after an assistant's content
+        self._keeps: dict[tuple, bool] = {}  # keeps_reasoning, by the following roles
 
     # --- text ---------------------------------------------------------------------------
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
@@ -84,6 +86,24 @@ class Renderer:
                 f"{[m['role'] for m in messages]} message follows, so episodes cannot be "
                 "appended to it token by token")
         return full[len(base):]
+
+    def keeps_reasoning(self, messages: list[dict]) -> bool:
+        """Whether the template renders an earlier assistant turn's ``<think>…</think>``
+        when ``messages`` follow it (some drop the reasoning of turns before the last user
+        message); the plain layout keeps everything."""
+        if not self.chat:
+            return True
+        roles = tuple(m["role"] for m in messages)
+        if roles not in self._keeps:
+            convo = [{"role": "user", "content": _PROBE_USER},
+                     {"role": "assistant", "content": f"<think>\n{_PROBE_REASONING}\n</think>"
+                                                      f"\n\n{_PROBE_ASSISTANT}"}]
+            probe = [{**m, "content": _PROBE_USER} for m in messages]
+            try:
+                self._keeps[roles] = _PROBE_REASONING in self._render(convo + probe, True)
+            except Exception:  # (a template that cannot render the probe: assume not)
+                self._keeps[roles] = False
+        return self._keeps[roles]
 
     # --- ids ----------------------------------------------------------------------------
     def start(self, messages: list[dict]) -> list[int]:

@@ -102,24 +102,20 @@ class ExperienceMaker:
         """Episodes are played by an agent program (``--agent``)."""
         return type(self.env).__name__ == "AgentSpec"
 
-    def agent_hub(self, params: SamplingParams | None = None):
-        """The agents' endpoint, started once (``params``: the sampling it enforces; the
-        run's)."""
+    def agent_hub(self):
+        """The agents' endpoint, started once."""
         if self.hub is None:
             from posttrain.agents import Hub
-            from posttrain.episodes import Renderer
 
-            renderers: dict = {}
-
-            def renderer_for(tools):
-                key = json.dumps(tools, sort_keys=True) if tools else ""
-                if key not in renderers:
-                    renderers[key] = Renderer(self.tok, tools)
-                return renderers[key]
-
-            self.hub = Hub(self.env, self.tok, renderer_for, params or self.params,
-                           self.cfg.max_episode_tokens, self.cfg.max_length)
+            self.hub = Hub(self.env, self.tok, self.cfg.max_episode_tokens,
+                           self.cfg.max_length)
         return self.hub
+
+    def close(self) -> None:
+        """Stop the agents' endpoint, where one was started."""
+        if self.hub is not None:
+            self.hub.close()
+            self.hub = None
 
     def prompt_ids(self, row: dict) -> tuple[int, ...]:
         """The row's prompt as token ids, tokenised once per run (plain text)."""

@@ -94,6 +94,7 @@ class InlineSide:
         self.experience.order = [int(i) for i in meta["order"]]
 
     def close(self) -> None:
+        self.experience.close()
         self.engine.close()
 
 
@@ -169,6 +170,8 @@ class AheadSide:
         self.producer.close()
         if self.engine is not None and not self.producer.stuck():
             self.engine.close()  # (a stuck thread still holds it; the exit reclaims both)
+            if self.experience is not None:
+                self.experience.close()
 
 
 def staleness(exp: Experience, step: int, bound: int) -> dict[str, float]:
