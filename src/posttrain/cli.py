@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "builtin) through the run's OpenAI-compatible endpoint; one greedy "
                          "episode per row")
     ev.add_argument("--agent_timeout", type=float, default=300.0)
-    ev.add_argument("--agent_concurrency", type=int, default=64)
+    ev.add_argument("--agent_concurrency", type=int, default=256)
     ev.add_argument("--tool_parser", default="auto",
                     help="--agent: hermes, llama3_json, mistral, plain or ask (auto: from the "
                          "chat template)")

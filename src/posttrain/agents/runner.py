@@ -10,7 +10,8 @@ returns the episode's reward: a number, a dict of named terms (summed; each logg
 None to let the ``--reward`` terms score the final conversation.
 
 The requests of all episodes in flight are answered in batches: a batch is sampled once
-every running episode is waiting on a request, or a short window after the first one came.
+every running episode is waiting on a request, or when requests stop coming for a moment
+(:data:`WINDOW_S`; at most :data:`MAX_WAIT_S` after the first).
 Request ``r`` of sample ``j`` of a row samples with the seed
 ``stream_seed(sample_seed(row seed, j), "turn", r)`` — the episode loop's — so an agent that
 asks what an environment would have said draws what the environment's episode draws, and
@@ -44,7 +45,11 @@ from posttrain.rollout import Request, SamplingParams
 from posttrain.rollout.types import sample_seed, stream_seed
 
 WINDOW_S = 0.02
-"""How long the first request of a batch waits for episodes that are still working."""
+"""A batch is sampled once no request has come for this long (or every running episode is
+waiting): episodes still working on their next request join it while requests keep coming."""
+
+MAX_WAIT_S = 0.5
+"""The longest the first request of a batch waits for others."""
 
 MODEL = "posttrain-policy"
 """The model name the endpoint serves (``/v1/models``); a request must name it."""
@@ -63,10 +68,10 @@ class AgentSpec:
     name: str
     parser: str = "auto"
     timeout: float = 300.0
-    concurrency: int = 64
+    concurrency: int = 256
 
     @classmethod
-    def parse(cls, spec: str, timeout: float = 300.0, concurrency: int = 64,
+    def parse(cls, spec: str, timeout: float = 300.0, concurrency: int = 256,
               parser: str = "auto") -> AgentSpec:
         if spec == "builtin":
             from posttrain.builtin.agent import lookup_agent
@@ -373,7 +378,8 @@ class Hub:
                         return
                     running = sum(e.started is not None and not e.finished for e in eps)
                     if self.pending and (len(self.pending) >= running or
-                                         now - self.pending[0].born >= WINDOW_S):
+                                         now - self.pending[-1].born >= WINDOW_S or
+                                         now - self.pending[0].born >= MAX_WAIT_S):
                         batch, self.pending = self.pending, []
                         break
                     self.cond.wait(WINDOW_S if self.pending else 0.25)

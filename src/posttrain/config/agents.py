@@ -16,8 +16,9 @@ class AgentFields:
     returns the reward (a number, a dict of named terms, or None for the --reward terms);
     every request is trained token for token (docs/agents.md). builtin = the built-in
     multi-turn task as an openai-SDK agent. Needs the openai package (posttrain[agents])."""
-    agent_concurrency: int = 64
-    """agent: episodes whose agents run at once (threads)."""
+    agent_concurrency: int = 256
+    """agent: episodes whose agents run at once (threads); a step's episodes beyond it
+    wait for a free one (then each turn is sampled in more, smaller batches)."""
     agent_timeout: float = 300.0
     """agent: seconds of wall clock an episode's agent may take, requests included."""
     tool_parser: str = "auto"

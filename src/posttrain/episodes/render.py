@@ -49,6 +49,7 @@ class Renderer:
         self.eos_text = tokenizer.eos_token or ""
         self._closing: str | None = None  # what the template puts after an assistant's content
         self._keeps: dict[tuple, bool] = {}  # keeps_reasoning, by the following roles
+        self._probed: str | None = None
 
     # --- text ---------------------------------------------------------------------------
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
@@ -62,7 +63,9 @@ class Renderer:
     def _probe(self) -> tuple[list[dict], str]:
         convo = [{"role": "user", "content": _PROBE_USER},
                  {"role": "assistant", "content": _PROBE_ASSISTANT}]
-        return convo, self._render(convo, False)
+        if self._probed is None:  # (rendered once: every turn's opening starts from it)
+            self._probed = self._render(convo, False)
+        return convo, self._probed
 
     def closing(self) -> str:
         """What follows an assistant turn's content in the template (eos included)."""
