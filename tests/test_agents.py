@@ -237,14 +237,17 @@ def test_a_template_that_drops_reasoning_from_history_splits(template, then, spl
     hub = make_hub(tok, agent)
     eps = run(hub, Replies(tok, lambda ids, s: next(replies)), [{"q": 1}])
     ro = eps.rollout
-    assert float(ro.stats["trajectory_splits"][0]) == splits
+    assert float(ro.stats["trajectory_splits"].sum()) == splits
     renderer = Renderer(tok)
     if splits:
         convo = [{"role": "user", "content": "go"}, {"role": "assistant", "content": "a"},
                  {"role": then, "content": "x"}]
         assert prompts[1] == renderer.start(convo)  # (as the template renders it)
-        assert ro.prompt_ids == [prompts[1]]  # the last trajectory is the one trained
-        assert ro.completion_ids[0][ro.loss_mask[0].bool()].tolist() == ids_of(tok, "c")
+        assert ro.prompt_ids == prompts  # two trajectories, each its own sampled tokens
+        assert [ro.completion_ids[k][ro.loss_mask[k].bool()].tolist() for k in (0, 1)] == \
+            [ids_of(tok, "<think>b</think>a"), ids_of(tok, "c")]
+        assert ro.sample_ids.tolist() == [0, 0] and ro.group_ids.tolist() == [0, 0]
+        assert eps.returns.tolist() == [1.0, 1.0]
     else:
         sampled = ids_of(tok, "<think>b</think>a")
         assert prompts[1][:len(prompts[0]) + len(sampled)] == prompts[0] + sampled
@@ -266,10 +269,11 @@ def test_an_agent_that_edits_its_history_splits_the_episode():
 
     eps = run(make_hub(tok, agent), Replies(tok, lambda ids, s: next(replies)), [{"q": 1}])
     ro = eps.rollout
-    assert float(ro.stats["trajectory_splits"][0]) == 1
-    assert float(ro.stats["requests"][0]) == 3
-    assert ro.completion_ids[0][ro.loss_mask[0].bool()].tolist() == \
-        ids_of(tok, "c") + ids_of(tok, "d")
+    assert ro.stats["trajectory_splits"].tolist() == [0, 1]  # (on the episode's last row)
+    assert ro.stats["requests"].tolist() == [0, 3]
+    assert [ro.completion_ids[k][ro.loss_mask[k].bool()].tolist() for k in (0, 1)] == \
+        [ids_of(tok, "ab"), ids_of(tok, "c") + ids_of(tok, "d")]
+    assert eps.returns.tolist() == [0.5, 0.5] and ro.sample_ids.tolist() == [0, 0]
 
 
 def test_completions_requests_extend_by_ids():
@@ -534,3 +538,71 @@ def test_the_documented_example_trains(tiny_model_dir, tmp_path):
                  "--eval_every", "0"]) == 0
     assert main(["eval", *common, "--model", str(tmp_path / "run" / "final"),
                  "--device", "cpu"]) == 0
+
+
+SUMMARISER = '''
+def summarise(client, row):
+    """Asks, then starts over with a summary of its first answer (a rewritten history):
+    every episode is two trajectories."""
+    m = [{"role": "user", "content": row["prompt"]}]
+    first = client.chat.completions.create(model="posttrain-policy", messages=m)
+    text = first.choices[0].message.content or ""
+    m = [{"role": "user", "content": row["prompt"] + " (earlier: " + text[:3] + ")"}]
+    second = client.chat.completions.create(model="posttrain-policy", messages=m)
+    return float(len(second.choices[0].message.content or "") % 3 == 0)
+'''
+
+
+@pytest.mark.parametrize("algo", ["grpo", "rloo", "dapo"])
+def test_split_episodes_train_every_trajectory_as_one_sample(tiny_model_dir, tmp_path, algo,
+                                                             monkeypatch):
+    """An agent that rewrites its history: each episode is two rows with one sample id and
+    reward; the group statistics count the episode once, so its two rows get the same
+    advantage, the advantage its episode gets alone; dynamic sampling keeps whole groups."""
+    pytest.importorskip("openai")
+    from posttrain.config import RLConfig
+    from posttrain.core.algorithms import compute_advantages
+    from posttrain.trainers.online import RLTrainer
+
+    (tmp_path / "agent.py").write_text(SUMMARISER)
+    (tmp_path / "rows.jsonl").write_text("".join(
+        json.dumps({"prompt": p}) + "\n" for p in ("ab", "cd", "ef", "gh")))
+    cfg = RLConfig(output_dir=str(tmp_path / "run"), agent=f"{tmp_path}/agent.py:summarise",
+                   data=str(tmp_path / "rows.jsonl"), model=tiny_model_dir, algo=algo,
+                   max_steps=2, prompts_per_step=4, group_size=4, max_new_tokens=4,
+                   device="cpu", tensorboard=False, eval_every=0, log_every=1)
+    cfg.validate()
+    trainer = RLTrainer(cfg)
+    try:
+        exp = trainer.experience.collect(1)
+        ro = exp.rollout
+        episodes = int(ro.sample_ids.unique().numel())
+        assert len(ro.prompt_ids) == 2 * episodes and ro.stats["trajectory_splits"].sum() \
+            == episodes
+        first = torch.tensor([i for i in range(len(ro.prompt_ids))
+                              if i == 0 or ro.sample_ids[i] != ro.sample_ids[i - 1]])
+        mask = ro.trained_mask.float()
+        adv, _ = compute_advantages(trainer.algo, exp.scores, ro.group_ids, mask,
+                                    sample_ids=ro.sample_ids)
+        alone, _ = compute_advantages(trainer.algo, exp.scores[first], ro.group_ids[first],
+                                      mask[first])
+        seq = adv.sum(-1) / mask.sum(-1).clamp_min(1)
+        lone = alone.sum(-1) / mask[first].sum(-1).clamp_min(1)
+        index = torch.unique(ro.sample_ids, return_inverse=True)[1]
+        torch.testing.assert_close(seq, lone[index], rtol=0, atol=0)
+        from posttrain.trainers.online import trainer as module
+
+        passed = []
+
+        def spy(*args):  # (the trainer hands the sample ids to the advantages)
+            passed.append(args[7])
+            return compute_advantages(*args)
+
+        monkeypatch.setattr(module, "compute_advantages", spy)
+        trainer.train()
+        assert passed and all(p is not None and len(p.unique()) * 2 == len(p) for p in passed)
+    finally:
+        trainer.close()
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text()
+            .splitlines() if "agent/requests" in x]
+    assert rows and all(r["agent/trajectory_splits"] * 2 == r["agent/requests"] for r in rows)

@@ -48,6 +48,9 @@ RL = {
     # schedule's version, gathering on a process group of its own
     "async": ["--prompts_per_step", "3", "--group_size", "4", "--max_new_tokens", "8",
               "--kl_coef", "0.04", "--async_staleness", "1", "--async_producer", "thread"],
+    # the built-in task played by its openai-SDK agent through each rank's endpoint
+    "agents": ["--agent", "builtin", "--prompts_per_step", "3", "--group_size", "4",
+               "--max_new_tokens", "6", "--kl_coef", "0.04", "--minibatch_size", "6"],
     "async_episodes": ["--env", "builtin", "--prompts_per_step", "3", "--group_size", "4",
                        "--max_new_tokens", "6", "--async_staleness", "1",
                        "--async_producer", "thread", "--algo", "dapo"],
@@ -65,7 +68,7 @@ def _launch(ranks: int) -> list[str]:
 def _rl_args(name: str, out: Path, *extra: str) -> list[str]:
     command = "ppo" if name == "ppo" else "grpo"
     algo = [] if name == "ppo" else ["--algo", "grpo" if name in ("lora", "episodes",
-                                                                  "async") else name]
+                                                                  "async", "agents") else name]
     if name == "async_episodes":
         algo = []  # (its own: dapo, whose dynamic sampling gathers on the producer's group)
     return [command, "--model", "builtin", *algo, *RL_ARGS, *RL[name], "--output_dir",
@@ -344,3 +347,37 @@ def test_two_ranks_replay_the_routing_of_one(moe_run, parallel, replay):
         for k, v in x.items():
             if k.startswith("router/"):
                 assert y[k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
+
+
+def test_two_ranks_train_split_agent_episodes_as_one(tiny_model_dir, tmp_path):
+    """An agent whose every episode is two trajectories (it rewrites its history): each
+    rank plays its own rows' episodes; gathered, the groups (of varying rows) are in the
+    order one process makes them, so rewards, counts and weights agree with one process."""
+    pytest.importorskip("openai")
+    from test_agents import SUMMARISER
+
+    (tmp_path / "agent.py").write_text(SUMMARISER)
+    (tmp_path / "rows.jsonl").write_text("".join(
+        json.dumps({"prompt": p}) + "\n" for p in ("ab", "cd", "ef")))
+    outs = []
+    for ranks in (1, 2):
+        out = tmp_path / f"run{ranks}"
+        args = ["grpo", "--model", tiny_model_dir, "--agent", f"{tmp_path}/agent.py:summarise",
+                "--data", str(tmp_path / "rows.jsonl"), "--prompts_per_step", "3",
+                "--group_size", "2", "--max_new_tokens", "4", "--max_steps", "2",
+                "--log_every", "1", "--eval_every", "0", "--device", "cpu", "--tensorboard",
+                "false", "--seed", "3", "--output_dir", str(out)]
+        proc = subprocess.run([*_launch(ranks), "-m", "posttrain", *args],
+                              env={**os.environ, "OMP_NUM_THREADS": "1"},
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        outs.append(out)
+    rows = [[r for r in _rows(o) if "agent/requests" in r] for o in outs]
+    assert len(rows[0]) == len(rows[1]) == 2
+    for x, y in zip(*rows, strict=True):
+        assert x["agent/trajectory_splits"] == y["agent/trajectory_splits"] == 6
+        for k in ("reward/mean", "agent/requests", "completion/length_mean"):
+            assert x[k] == y[k], k
+    a, b = _weights(outs[0]), _weights(outs[1])
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-5)

@@ -268,6 +268,57 @@ def test_rloo_by_hand():
     torch.testing.assert_close(adv, torch.tensor([-3.0, 2.0, -1.5, -2.0, 4.5]), rtol=0, atol=0)
 
 
+def _split(ids, rewards, ks):
+    """Each sample ``i`` as ``ks[i]`` rows sharing its reward (a split agent episode's
+    trajectories): the rows' group ids, rewards, sample ids, and each row's sample."""
+    rows = torch.tensor([i for i, k in enumerate(ks) for _ in range(k)])
+    return ids[rows], rewards[rows], rows * 5 + 3, rows  # (sample ids need not be dense)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_split_samples_count_once_in_their_group(seed):
+    """With ``sample_ids``, a sample split into k rows counts once in its group's mean, std
+    and leave-one-out baseline: every row gets its sample's advantage. Integer rewards in
+    groups of 2 or 4 samples and k in {1, 2, 4}: every share, sum and mean is exact in
+    float32, so the rows' advantages equal the samples' bit for bit."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = random_groups([4, 2, 4, 2], gen)
+    rewards = torch.randint(-3, 4, (len(ids),), generator=gen).float()
+    ks = [int(2 ** torch.randint(0, 3, (1,), generator=gen)) for _ in range(len(ids))]
+    row_ids, row_rewards, sample_ids, sample = _split(ids, rewards, ks)
+    for got, want in [
+            (group_advantages(row_rewards, row_ids, sample_ids=sample_ids),
+             group_advantages(rewards, ids)),
+            (group_advantages(row_rewards, row_ids, scale_by_std=False, sample_ids=sample_ids),
+             group_advantages(rewards, ids, scale_by_std=False)),
+            (rloo_advantages(row_rewards, row_ids, sample_ids), rloo_advantages(rewards, ids))]:
+        assert torch.equal(got, want[sample])
+    assert not torch.equal(group_advantages(row_rewards, row_ids), group_advantages(
+        rewards, ids)[sample]) or all(k == ks[0] for k in ks)  # (rows counted: otherwise)
+    one = torch.tensor([0, 0, 0]), torch.tensor([1.0, 1.0, 1.0]), torch.tensor([7, 7, 7])
+    assert torch.equal(rloo_advantages(one[1] * 2, one[0], one[2]), torch.zeros(3))  # (G = 1)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_split_samples_match_the_float64_loop(seed):
+    """Random rewards, each group's samples split into the same k rows (k = 1, 2 or 4 per
+    group): the per-sample float64 loop's advantages, on every row. Bound: the shares 1/k
+    and their products are exact (powers of two), and every weighted sum runs over the
+    same rows as the unweighted computation on the rows — whose statistics, with k rows a
+    sample, are the samples' — with terms scaled by 1/k, so its rounding is within that
+    computation's (``_group_bound`` of the rows)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = random_groups([4, 3, 5, 2], gen, stride=2)
+    rewards = torch.randn(len(ids), generator=gen) * 3 + 1
+    k_of = {int(g): 2 ** (int(g) % 3) for g in ids.unique()}
+    ks = [k_of[int(g)] for g in ids]
+    row_ids, row_rewards, sample_ids, sample = _split(ids, rewards, ks)
+    for scale, mode in ((True, "grpo"), (False, "dr_grpo")):
+        got = group_advantages(row_rewards, row_ids, scale_by_std=scale, sample_ids=sample_ids)
+        want = naive_group_advantages(rewards, ids, scale_by_std=scale)[sample]
+        assert_within(got, want, 1.0, _group_bound(row_rewards, row_ids, mode), mode)
+
+
 # --- GAE and returns -------------------------------------------------------------------------
 
 def test_gae_hand_computed_three_tokens():

@@ -18,15 +18,15 @@ def run_agents(hub: Hub, engine, tokenizer, rows: list[dict], n: int,
                seeds: list[int | None], params: SamplingParams, on_error: str = "raise",
                has_rewards: bool = False, extras: frozenset[str] = frozenset()):
     """``n`` agent episodes of each row through ``hub`` as
-    :class:`~posttrain.episodes.Episodes` (one row per episode, samples of a row together):
-    each episode's trajectory (the last, when its agent rewrote history), its reward as
-    the return. An episode that failed raises an :class:`AgentError`
-    (``on_error="raise"``) or is dropped and counted (``"skip"``)."""
+    :class:`~posttrain.episodes.Episodes`: a row per trajectory (an episode whose agent
+    rewrote its history is several, which share its sample id, its reward and its final
+    conversation), samples of a row together. An episode that failed raises an
+    :class:`AgentError` (``on_error="raise"``) or is one invalid row (``"skip"``)."""
     from posttrain.episodes.loop import _collect, _Live
 
     eps = hub.run(engine, rows, n, seeds, params, extras)
-    live, terms = [], {}
-    for ep in eps:
+    live, samples, terms = [], [], {}
+    for k, ep in enumerate(eps):
         if not ep.error and ep.reward is None and not has_rewards:
             ep.error = "returned None and the run has no --reward terms to score it"
         if not ep.error and not ep.capture.trajectories:
@@ -37,27 +37,34 @@ def run_agents(hub: Hub, engine, tokenizer, rows: list[dict], n: int,
                 raise AgentError(why)
             live.append(_Live(None, [tokenizer.eos_token_id], done=True, valid=False,
                               error=why))
+            samples.append(k)
             continue
-        t = ep.capture.trajectories[-1]
         reward = ep.reward or 0.0
         if isinstance(reward, dict):
-            for k, v in reward.items():
-                terms.setdefault(k, {})[len(live)] = v
+            for name, v in reward.items():
+                terms.setdefault(name, {})[k] = v
             reward = sum(reward.values())
-        live.append(_Live(None, t.prompt, tokens=list(t.tokens), mask=list(t.mask),
-                          logps=list(t.logps), messages=list(t.convo), ret=float(reward),
-                          turns=t.requests, done=True, truncated=ep.finish == "length",
-                          version=min(t.versions, default=0), versions=list(t.versions)))
-    out = _collect(live, tokenizer, n)
-    stats = out.rollout.stats
-    splits = [max(0, len(ep.capture.trajectories) - 1) for ep in eps]
-    stats["trajectory_splits"] = torch.tensor(splits, dtype=torch.float64)
-    stats["requests"] = torch.tensor([float(ep.requests) for ep in eps], dtype=torch.float64)
-    stats["refused_requests"] = torch.tensor([float(ep.refused) for ep in eps],
-                                             dtype=torch.float64)
-    for k, values in terms.items():
-        stats[f"reward_{k}"] = torch.tensor([values.get(i, 0.0) for i in range(len(eps))],
-                                            dtype=torch.float64)
+        final = ep.capture.trajectories[-1].convo
+        for t in ep.capture.trajectories:
+            live.append(_Live(None, t.prompt, tokens=list(t.tokens), mask=list(t.mask),
+                              logps=list(t.logps), messages=list(final), ret=float(reward),
+                              turns=t.requests, done=True,
+                              truncated=ep.finish == "length" and t is ep.capture.current,
+                              version=min(t.versions, default=0), versions=list(t.versions)))
+            samples.append(k)
+    out = _collect(live, tokenizer, n, samples)
+    stats, last = out.rollout.stats, [i + 1 == len(samples) or samples[i + 1] != s
+                                       for i, s in enumerate(samples)]
+    counts = {  # (on each episode's last row, 0 on the others: sums are the episodes')
+        "trajectory_splits": [max(0, len(ep.capture.trajectories) - 1) for ep in eps],
+        "requests": [ep.requests for ep in eps], "refused_requests": [ep.refused for ep in eps]}
+    for key, values in counts.items():
+        stats[key] = torch.tensor([float(values[s]) if end else 0.0
+                                   for s, end in zip(samples, last, strict=True)],
+                                  dtype=torch.float64)
+    for name, values in terms.items():  # (an episode's terms on each of its rows)
+        stats[f"reward_{name}"] = torch.tensor([values.get(s, 0.0) for s in samples],
+                                               dtype=torch.float64)
     return out
 
 

@@ -20,8 +20,8 @@ Temperature, top-p, top-k and the token budgets are the run's; a request that as
 others is refused (400) and counted.
 
 Every request is recorded token for token (:mod:`.capture`). An episode whose agent
-rewrote its history is several trajectories; for now the last of them is trained (the
-earlier ones' sampled tokens are dropped and counted: ``agent/trajectory_splits``).
+rewrote its history is several trajectories, each trained on its own tokens as one sample
+(``Rollout.sample_ids``; counted: ``agent/trajectory_splits``).
 """
 
 from __future__ import annotations

@@ -14,14 +14,29 @@ import torch
 from posttrain.core.masked import masked_whiten
 
 
-def _group_sums(values: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-group sum and size, each gathered back to ``(N,)``."""
+def _group_sums(values: torch.Tensor, group_ids: torch.Tensor,
+                weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-group sum and size, each gathered back to ``(N,)``; with ``weights`` (each
+    row's share of its sample, :func:`sample_weights`) the weighted sum and the number of
+    samples."""
     n_groups = int(group_ids.max()) + 1 if group_ids.numel() else 0
     sums = torch.zeros(n_groups, dtype=values.dtype, device=values.device)
-    sums.index_add_(0, group_ids, values)
+    sums.index_add_(0, group_ids, values if weights is None else values * weights)
     sizes = torch.zeros(n_groups, dtype=values.dtype, device=values.device)
-    sizes.index_add_(0, group_ids, torch.ones_like(values))
+    sizes.index_add_(0, group_ids, torch.ones_like(values) if weights is None else weights)
+    if weights is not None:  # (k shares of 1/k sum to 1 up to rounding: a count)
+        sizes = sizes.round()
     return sums[group_ids], sizes[group_ids]
+
+
+def sample_weights(sample_ids: torch.Tensor | None, dtype=torch.float32) -> torch.Tensor | None:
+    """Each row's share of its sample, ``1/k`` for a sample of ``k`` rows (``sample_ids``
+    ``(N,)``: the rows of one sample share an id, e.g. the trajectories of an agent episode
+    that was split); None for None (a row per sample)."""
+    if sample_ids is None:
+        return None
+    _, index, counts = torch.unique(sample_ids, return_inverse=True, return_counts=True)
+    return 1.0 / counts[index].to(dtype)
 
 
 def _group_constant(values: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
@@ -45,6 +60,7 @@ def group_advantages(
     group_ids: torch.Tensor,
     scale_by_std: bool = True,
     eps: float = 1e-6,
+    sample_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """GRPO's group-normalised advantage (DeepSeekMath, arXiv 2402.03300, §4.1.2), ``(N,)``.
 
@@ -52,28 +68,33 @@ def group_advantages(
 
     ``scale_by_std=False`` gives Dr. GRPO's ``A_i = r_i - mean(r_group)`` (arXiv 2503.20783).
     A group whose rewards are all equal, or that has one member, gets advantage 0.
+    ``sample_ids``: rows of one sample share an id and its reward (the trajectories of a
+    split agent episode); the group's mean and std are then over samples, not rows.
     """
     rewards = rewards.to(torch.float32) if not rewards.is_floating_point() else rewards
-    sums, sizes = _group_sums(rewards, group_ids)
+    weights = sample_weights(sample_ids, rewards.dtype)
+    sums, sizes = _group_sums(rewards, group_ids, weights)
     mean = sums / sizes
     centred = torch.where(_group_constant(rewards, group_ids), 0.0, rewards - mean)
     if not scale_by_std:
         return centred
-    sq, _ = _group_sums(centred.square(), group_ids)
+    sq, _ = _group_sums(centred.square(), group_ids, weights)
     std = (sq / sizes).sqrt()
     return centred / (std + eps)
 
 
 @torch.no_grad()
-def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor,
+                    sample_ids: torch.Tensor | None = None) -> torch.Tensor:
     """REINFORCE leave-one-out (Ahmadian et al., arXiv 2402.14740), ``(N,)``.
 
         A_i = r_i - (Σ_{j≠i} r_j) / (G - 1)
 
-    A group of one has no baseline to leave out: its advantage is 0.
+    A group of one has no baseline to leave out: its advantage is 0. ``sample_ids``: as
+    for :func:`group_advantages` (the sample left out is the row's whole sample).
     """
     rewards = rewards.to(torch.float32) if not rewards.is_floating_point() else rewards
-    sums, sizes = _group_sums(rewards, group_ids)
+    sums, sizes = _group_sums(rewards, group_ids, sample_weights(sample_ids, rewards.dtype))
     others = (sums - rewards) / (sizes - 1.0).clamp_min(1.0)
     keep = (sizes > 1) & ~_group_constant(rewards, group_ids)
     return torch.where(keep, rewards - others, torch.zeros_like(rewards))

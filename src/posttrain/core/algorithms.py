@@ -168,7 +168,8 @@ class Algorithm:
 class AdvantageInputs:
     """What an advantage estimator may read. ``scores`` ``(B,)`` sequence rewards,
     ``group_ids`` ``(B,)`` the prompt each sample came from, ``response_mask`` ``(B, T)``;
-    ``old_logprobs``, ``ref_logprobs``, ``values`` ``(B, T)`` or None when not computed."""
+    ``old_logprobs``, ``ref_logprobs``, ``values`` ``(B, T)`` or None when not computed;
+    ``sample_ids`` ``(B,)`` or None."""
 
     scores: torch.Tensor
     group_ids: torch.Tensor
@@ -176,6 +177,9 @@ class AdvantageInputs:
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
     values: torch.Tensor | None = None
+    sample_ids: torch.Tensor | None = None
+    """``(B,)`` rows of one sample share an id (a split agent episode's trajectories);
+    group statistics are over samples. None: a row per sample."""
 
 
 @dataclass(frozen=True)
@@ -243,17 +247,20 @@ def _reward_kl(algo: Algorithm, x: AdvantageInputs) -> torch.Tensor:
 
 
 def _adv_group(algo, x):
-    return _broadcast(group_advantages(x.scores, x.group_ids, scale_by_std=True),
+    return _broadcast(group_advantages(x.scores, x.group_ids, scale_by_std=True,
+                                       sample_ids=x.sample_ids),
                       x.response_mask), None
 
 
 def _adv_group_no_std(algo, x):
-    return _broadcast(group_advantages(x.scores, x.group_ids, scale_by_std=False),
+    return _broadcast(group_advantages(x.scores, x.group_ids, scale_by_std=False,
+                                       sample_ids=x.sample_ids),
                       x.response_mask), None
 
 
 def _adv_rloo(algo, x):
-    return _broadcast(rloo_advantages(x.scores, x.group_ids), x.response_mask), None
+    return _broadcast(rloo_advantages(x.scores, x.group_ids, x.sample_ids),
+                      x.response_mask), None
 
 
 def _adv_gae(algo, x):
@@ -271,7 +278,8 @@ def _adv_reinforce_pp(algo, x):
 
 
 def _adv_reinforce_pp_baseline(algo, x):
-    centred = group_advantages(x.scores, x.group_ids, scale_by_std=False)
+    centred = group_advantages(x.scores, x.group_ids, scale_by_std=False,
+                               sample_ids=x.sample_ids)
     return _adv_reinforce_pp(algo, dataclasses.replace(x, scores=centred))
 
 
@@ -315,6 +323,7 @@ def compute_advantages(
     old_logprobs: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
     values: torch.Tensor | None = None,
+    sample_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Advantages ``(B, T)`` (and returns for the critic, else None) for ``algo``.
 
@@ -322,9 +331,11 @@ def compute_advantages(
     sample came from. Token-level estimators use ``old_logprobs``/``ref_logprobs`` ``(B, T)``
     for the reward KL penalty and ``values`` ``(B, T)`` for GAE; an input the algorithm
     declares (:attr:`Algorithm.advantage_inputs`) and that is None is an error.
+    ``sample_ids`` ``(B,)``: rows of one sample share an id and its score (a split agent
+    episode's trajectories), so that group statistics are over samples; None: a row each.
     """
     x = AdvantageInputs(scores.float(), group_ids, response_mask, old_logprobs, ref_logprobs,
-                        values)
+                        values, sample_ids)
     _missing(algo.advantage_inputs, x, f"advantage estimator {algo.advantage!r}", algo)
     return algo.estimator.fn(algo, x)
 

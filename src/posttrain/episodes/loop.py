@@ -258,7 +258,11 @@ def reward_inputs(eps: Episodes, rows: list[dict], completion: str = "transcript
     return eps.first, texts, {**reward_columns(rows), "messages": eps.messages}
 
 
-def _collect(live: list[_Live], tokenizer, n: int) -> Episodes:
+def _collect(live: list[_Live], tokenizer, n: int,
+             samples: list[int] | None = None) -> Episodes:
+    """The finished episodes as a batch: ``n`` samples of each row, in order; ``samples``:
+    each row's sample where a sample may be several rows (a split agent episode's
+    trajectories, :attr:`Rollout.sample_ids`), None for one row each."""
     pad = tokenizer.pad_token_id
     T = max(1, *(len(e.tokens) for e in live)) if live else 1
     N = len(live)
@@ -284,9 +288,13 @@ def _collect(live: list[_Live], tokenizer, n: int) -> Episodes:
     rollout = Rollout(prompt_ids=[e.prompt for e in live], completion_ids=ids,
                       completion_mask=present, logprobs=logps,
                       truncated=torch.tensor([e.truncated for e in live], dtype=torch.bool),
-                      group_ids=torch.arange(N) // n, texts=texts,
+                      group_ids=(torch.arange(N) if samples is None
+                                 else torch.tensor(samples, dtype=torch.long)) // n,
+                      texts=texts,
                       loss_mask=loss, stats=stats,
                       policy_version=min((e.version for e in live), default=0))
+    if samples is not None and len(set(samples)) < N:
+        rollout.sample_ids = torch.tensor(samples, dtype=torch.long)
     if len({v for e in live for v in e.versions}) > 1:  # (partial rollouts)
         rollout.versions = versions
     if any(e.routing is not None for e in live):

@@ -99,6 +99,11 @@ def _sampled_by_its_version(r: Rollout) -> torch.Tensor:
     return torch.full_like(r.completion_ids, r.policy_version)
 
 
+def _one_row_each(r: Rollout) -> torch.Tensor:
+    """What stands for missing ``sample_ids`` when records are joined: a sample per row."""
+    return torch.arange(len(r.prompt_ids))
+
+
 @dataclass
 class Rollout:
     """``N = P·G`` sampled completions; rows of one prompt are contiguous.
@@ -143,6 +148,12 @@ class Rollout:
     """(N, Tc) the policy version that sampled each completion token, where they differ
     within a sample (partial rollouts: an episode's later turns under newer weights); None:
     every token is ``policy_version``'s."""
+    sample_ids: torch.Tensor | None = field(
+        default=None, metadata=record.row_vector(renumber=True, stand_in=_one_row_each))
+    """(N,) rows of one sample share an id: the trajectories of an agent episode whose
+    history was rewritten (``posttrain.agents``), each trained on its own tokens with the
+    episode's reward, the episode counted once in its group's statistics; None: a row per
+    sample."""
     stats: dict[str, torch.Tensor] | None = field(default=None, metadata=record.row_dict())
     """Per-sample numbers ``(N,)`` the step's metrics average (an episode's turns, its
     environment's seconds and counters); None for none."""

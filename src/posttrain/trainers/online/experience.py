@@ -172,16 +172,15 @@ class ExperienceMaker:
                                workers=self.cfg.env_workers, before_turn=self.before_turn)
             rollout = eps.rollout
         t1 = time.perf_counter()
-        scored = self.score(rows, rollout, n, eps)
+        scored = self.score(rows, rollout, eps)
         return rollout, scored, t1 - t0, time.perf_counter() - t1
 
-    def score(self, rows: list[dict], rollout: Rollout, n: int | None = None, episodes=None):
-        """``(total, terms, valid, correct)`` of ``rollout`` (``n`` samples of each row).
+    def score(self, rows: list[dict], rollout: Rollout, episodes=None):
+        """``(total, terms, valid, correct)`` of ``rollout`` (its group ids index ``rows``).
         Episodes: the total is the return (the sum of the turn rewards, term ``env``) plus
         the reward terms, which read the first message as the prompt and the transcript
         after it as the completion; a sample is correct when its total reaches 1."""
-        G = n or self.cfg.group_size
-        rep = [r for r in rows for _ in range(G)]
+        rep = [rows[g] for g in rollout.group_ids.tolist()]  # (a sample may be rows: agents)
         columns = reward_columns(rep)
         if episodes is None:
             prompts = [r["prompt"] for r in rep]
@@ -259,7 +258,7 @@ class ExperienceMaker:
                 [rows[j] for j in slots], [request_seed(cfg.seed, step, rounds, j)
                                            for j in slots], G, self.params, self.extras)
             t_gen, t_reward = t_gen + dt_gen, t_reward + dt_reward
-            rollout, (total, terms, valid, correct), own = self._gather(local, scored, slots)
+            rollout, (total, terms, valid, correct), own = self._gather(local, scored)
             sampled += int(rollout.trained_mask.sum())
             if self.algo.dynamic_sampling:
                 n_groups = len(rows)
@@ -296,7 +295,6 @@ class ExperienceMaker:
         ``room`` of them), with their scores, this rank's part of them and its rows; and
         ``(groups kept, groups with a signal)``."""
         total, terms, valid, correct = scored
-        G = self.cfg.group_size
         # a sample skipped on an error is a group of its own (as for the advantages), so its
         # placeholder score gives its group no signal
         ids = rollout.group_ids.clone()
@@ -315,27 +313,29 @@ class ExperienceMaker:
             own = torch.arange(len(keep))
         scored = (total[keep], {k: v[keep] for k, v in terms.items()}, valid[keep],
                   correct[keep])
-        with_signal = int(signal.view(-1, G).any(-1).sum())
+        with_signal = len(rollout.group_ids[signal].unique())
         return select(rollout, keep), scored, local, own, (len(groups), with_signal)
 
-    def _gather(self, local: Rollout, scored: tuple, slots: list[int]):
+    def _gather(self, local: Rollout, scored: tuple):
         """The round's samples of every rank in slot order (the order one process samples
         them in), without the sampler's cache (it stays with ``local``); the scores
         ``(total, terms, valid, correct)``; and the rows of this rank's samples."""
-        G = self.cfg.group_size
-        own = (torch.tensor(slots)[:, None] * G + torch.arange(G)).flatten()
         if dist.world_size() == 1:
-            return local, scored, own
+            return local, scored, torch.arange(len(local.texts))
         gathered = dist.gather_objects((portable(local), scored), self.group)
         world, want = dist.world_size(), self.cfg.prompts_per_step
-        # rank r's k-th group is slot k·world + r
-        order = sorted(range(want), key=lambda j: (j % world, j // world))
-        rows = torch.empty(want * G, dtype=torch.long)
-        rows[(torch.tensor(order)[:, None] * G + torch.arange(G)).flatten()] = torch.arange(
-            want * G)
+        # rank r's k-th group is slot k·world + r; a group's rows (G, or more where an
+        # agent's episode is several trajectories) stay in the order they were sampled
+        slot = torch.cat([torch.arange(rank, want, world)[r.group_ids]
+                          for rank, (r, _) in enumerate(gathered)])
+        rows = torch.sort(slot, stable=True).indices
+        position = torch.empty_like(rows)
+        position[rows] = torch.arange(len(rows))
+        start = sum(len(r.texts) for r, _ in gathered[:dist.rank()])
+        own = position[start:start + len(local.texts)]
         rollout = select(concat([r for r, _ in gathered if len(r.texts)],
                                 self.tok.pad_token_id), rows)
-        rollout.group_ids = torch.arange(want).repeat_interleave(G)
+        rollout.group_ids = slot[rows]
         total, terms, valid, correct = (
             torch.cat([s[0] for _, s in gathered])[rows],
             {k: torch.cat([s[1][k] for _, s in gathered])[rows] for k in gathered[0][1][1]},

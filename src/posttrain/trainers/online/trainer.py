@@ -212,8 +212,10 @@ class RLTrainer(Job):
         t_passes = time.perf_counter()
         # 3. advantages
         scores = self.shaper(exp.scores, exp.rollout, exp.valid).to(self.device)
-        adv, returns = compute_advantages(algo, scores, self._group_ids(exp).to(self.device),
-                                          mask, old, ref, old_values)
+        samples = exp.rollout.sample_ids  # (a split agent episode: one sample, its rows)
+        adv, returns = compute_advantages(
+            algo, scores, self._group_ids(exp).to(self.device), mask, old, ref, old_values,
+            None if samples is None else samples.to(self.device))
         skip = algo.zero_advantage_zero_gradient and self.critic is None
         live = ((adv != 0).any(-1) if skip else mask.any(-1)) & valid
         # 4. update (the policy waits while the critic warms up)
@@ -309,7 +311,8 @@ class RLTrainer(Job):
         what the next rollouts keep for the update, which follows this batch's layout (a
         batch packed into one call replays nothing, so the next need not keep the
         projections; batches of a run are alike). Returns the guard's metrics."""
-        self.packed = bool(self.share_prompt and tokens is not None and tokens.packed)
+        self.packed = bool(self.share_prompt and tokens is not None and tokens.share
+                           and tokens.packed)
         return self.side.publish(step, self.policy, moved, self._extras())
 
     def _passes(self, algo, tokens: TokenBatch | None, own: torch.Tensor, mask: torch.Tensor,
