@@ -430,9 +430,10 @@ def _grpo(tmp_path, name, **kw):
     from posttrain.config import RLConfig
     from posttrain.trainers.online import run_rl
 
-    cfg = RLConfig(output_dir=str(tmp_path / name), max_steps=2, prompts_per_step=4,
-                   group_size=4, builtin_train_size=16, builtin_eval_size=8, eval_every=2,
-                   log_every=1, device="cpu", tensorboard=False, **kw)
+    kw = {"max_steps": 2, **kw}
+    cfg = RLConfig(output_dir=str(tmp_path / name), prompts_per_step=4, group_size=4,
+                   builtin_train_size=16, builtin_eval_size=8, eval_every=2, log_every=1,
+                   device="cpu", tensorboard=False, **kw)
     cfg.validate()
     run_rl(cfg)
     return [_json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text()
@@ -606,3 +607,16 @@ def test_split_episodes_train_every_trajectory_as_one_sample(tiny_model_dir, tmp
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text()
             .splitlines() if "agent/requests" in x]
     assert rows and all(r["agent/trajectory_splits"] * 2 == r["agent/requests"] for r in rows)
+
+
+@pytest.mark.parametrize("partial", [False, True])
+def test_agents_run_asynchronously(tmp_path, partial):
+    """``--async_staleness 1``: the producer thread's episodes play through the endpoint
+    while the learner trains; with partial rollouts a batch after the first may sample
+    under newer weights, every answer's tokens carrying the version that sampled them."""
+    pytest.importorskip("openai")
+    rows = _grpo(tmp_path, "async", agent="builtin", async_staleness=1,
+                 async_producer="thread", partial_rollouts=partial, max_steps=3)
+    steps = [r for r in rows if "agent/requests" in r]
+    assert len(steps) == 3 and all(0 <= r["async/staleness"] <= 1 for r in steps)
+    assert all(16 <= r["agent/requests"] <= 32 for r in steps)  # (16 episodes, 1-2 each)

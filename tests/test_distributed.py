@@ -199,7 +199,8 @@ def test_two_ranks_compute_the_on_policy_update_of_one(name, parallel, runs):
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds torchrun's workers in /proc")
 @pytest.mark.parametrize(("name", "parallel"), [("sft", "ddp"), ("dapo", "ddp"),
                                               ("ppo", "fsdp"), ("lora", "fsdp"),
-                                              ("episodes", "ddp"), ("async", "ddp")])
+                                              ("episodes", "ddp"), ("async", "ddp"),
+                                              ("agents", "ddp")])
 def test_a_two_rank_run_killed_after_a_checkpoint_resumes_exactly(name, parallel,
                                                                   tiny_model_dir, tmp_path):
     """torchrun and both ranks SIGKILLed once checkpoint-2 exists (the killed run is given

@@ -338,3 +338,44 @@ def test_two_ranks_sampling_from_the_servers_compute_the_update_of_one(fakes, tm
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-5)
+
+
+def test_agents_sample_through_the_servers_token_exactly(tmp_path, monkeypatch):
+    """``--agent builtin`` with ``--rollout_backend vllm_server``: the endpoint's batches go
+    to the servers (an episode's later requests extend its first, so its server's prefix
+    cache serves them), and the trainer's log-probs at the captured tokens equal the servers' behaviour log-probs
+    to float32 rounding."""
+    pytest.importorskip("openai")
+    from bounds import model_inner, model_stages, rel_bound
+    from posttrain.config import RLConfig
+    from posttrain.trainers.online import RLTrainer, TokenBatch
+
+    path = str(builtin_model_dir("builtin-episodes"))
+    model, tok = load_causal_lm(path, device="cpu").eval(), load_tokenizer(path)
+    servers = [FakeServer(model, tok, key="k") for _ in range(2)]
+    monkeypatch.setenv("POSTTRAIN_ROLLOUT_KEY", "k")
+    try:
+        cfg = RLConfig(output_dir=str(tmp_path), agent="builtin",
+                       rollout_backend="vllm_server",
+                       rollout_servers=",".join(s.url for s in servers), max_steps=1,
+                       prompts_per_step=4, group_size=2, builtin_train_size=16,
+                       builtin_eval_size=0, device="cpu", tensorboard=False, kl_coef=0.0)
+        cfg.validate()
+        trainer = RLTrainer(cfg)
+        try:
+            ro = trainer.experience.collect(1).rollout
+            assert ro.stats["requests"].sum() > len(ro.prompt_ids)  # (some asked first)
+            mask = ro.trained_mask.bool()
+            sampled = ro.logprobs[mask].double()
+            bound = 2 * rel_bound(model_stages(trainer.policy.config, backward=False),
+                                  model_inner(trainer.policy.config, 64))
+            tokens = TokenBatch(ro, trainer.tok.pad_token_id, "cpu", False, 1.0)
+            with torch.no_grad():
+                lp = tokens.logprobs(trainer.policy, torch.arange(len(mask)))[mask].double()
+            assert float((lp - sampled).norm() / sampled.norm()) <= bound
+        finally:
+            trainer.close()
+    finally:
+        for s in servers:
+            s.close()
+    assert all("/inference/v1/generate" in s.calls for s in servers)

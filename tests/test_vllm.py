@@ -426,6 +426,36 @@ def test_episodes_through_vllm_are_token_exact_and_learn(tmp_path):
     assert out["eval/accuracy"] >= 0.5
 
 
+def test_agents_through_vllm_are_token_exact_and_draw_the_environments_episodes(tmp_path):
+    """``--agent builtin`` through in-process vLLM: the trainer's log-probs at the tokens
+    the endpoint captured equal vLLM's behaviour log-probs within float32 rounding, and
+    with vLLM's per-request seeds the agent draws the episodes ``--env builtin`` draws
+    (the same rewards)."""
+    from posttrain.trainers.online import RLTrainer, TokenBatch
+
+    got = {}
+    for source in ("agent", "env"):
+        cfg = RLConfig(output_dir=str(tmp_path / source), **{source: "builtin"},
+                       rollout_backend="vllm", max_steps=1, prompts_per_step=16, group_size=4,
+                       builtin_train_size=64, builtin_eval_size=0, device="cpu",
+                       tensorboard=False, kl_coef=0.0)
+        cfg.validate()
+        trainer = RLTrainer(cfg)
+        try:
+            exp = trainer.experience.collect(1)
+            ro = exp.rollout
+            got[source] = exp.scores.tolist()
+            mask = ro.trained_mask.bool()
+            sampled = ro.logprobs[mask].double()
+            tokens = TokenBatch(ro, trainer.tok.pad_token_id, "cpu", False, 1.0)
+            with torch.no_grad():
+                lp = tokens.logprobs(trainer.policy, torch.arange(len(mask)))[mask].double()
+            assert float((lp - sampled).norm() / sampled.norm()) <= _bound(trainer.policy)
+        finally:
+            trainer.close()
+    assert got["agent"] == got["env"]
+
+
 def test_async_episodes_through_vllm_keep_the_schedule_the_guard_and_learn(tmp_path):
     """Asynchronous rollouts, multi-turn episodes and vLLM together: K=1 with the producer
     thread owning the engine, the built-in multi-turn task's environment on 4 workers.

@@ -16,15 +16,17 @@ __all__ = ["MODEL", "AgentError", "AgentSpec", "Capture", "Hub", "RequestError",
 
 def run_agents(hub: Hub, engine, tokenizer, rows: list[dict], n: int,
                seeds: list[int | None], params: SamplingParams, on_error: str = "raise",
-               has_rewards: bool = False, extras: frozenset[str] = frozenset()):
+               has_rewards: bool = False, extras: frozenset[str] = frozenset(),
+               before_batch=None):
     """``n`` agent episodes of each row through ``hub`` as
     :class:`~posttrain.episodes.Episodes`: a row per trajectory (an episode whose agent
     rewrote its history is several, which share its sample id, its reward and its final
     conversation), samples of a row together. An episode that failed raises an
-    :class:`AgentError` (``on_error="raise"``) or is one invalid row (``"skip"``)."""
+    :class:`AgentError` (``on_error="raise"``) or is one invalid row (``"skip"``).
+    ``before_batch``: as for :meth:`Hub.run`."""
     from posttrain.episodes.loop import _collect, _Live
 
-    eps = hub.run(engine, rows, n, seeds, params, extras)
+    eps = hub.run(engine, rows, n, seeds, params, extras, before_batch)
     live, samples, terms = [], [], {}
     for k, ep in enumerate(eps):
         if not ep.error and ep.reward is None and not has_rewards:

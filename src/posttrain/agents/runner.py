@@ -304,9 +304,12 @@ class Hub:
 
     # --- episodes ---------------------------------------------------------------------
     def run(self, engine, rows: list[dict], n: int, seeds: list[int | None],
-            params: SamplingParams, extras: frozenset[str] = frozenset()) -> list[_Episode]:
+            params: SamplingParams, extras: frozenset[str] = frozenset(),
+            before_batch=None) -> list[_Episode]:
         """``n`` episodes of each row, every agent to its end (or its timeout); the
-        episodes in row order, samples of a row together."""
+        episodes in row order, samples of a row together. ``before_batch(k)``: called
+        before every batch after the first (partial rollouts: the chance to take newer
+        weights; each answer records the version that sampled it)."""
         self._runs += 1
         eps = [_Episode(f"{self._runs}-{i}-{j}", dict(row), row.get("_row", i + 1),
                         None if seeds[i] is None else sample_seed(seeds[i], j),
@@ -318,7 +321,7 @@ class Hub:
         for ep in eps:
             pool.submit(self._agent, ep)
         try:
-            self._serve(engine, eps, params, extras)
+            self._serve(engine, eps, params, extras, before_batch)
         finally:
             with self.cond:
                 for ep in eps:
@@ -358,8 +361,9 @@ class Hub:
                 ep.finished = True
                 self.cond.notify_all()
 
-    def _serve(self, engine, eps, params, extras) -> None:
+    def _serve(self, engine, eps, params, extras, before_batch=None) -> None:
         """Batches of the episodes' requests until every episode has ended."""
+        batches = 0
         while True:
             with self.cond:
                 while True:
@@ -383,6 +387,9 @@ class Hub:
                         batch, self.pending = self.pending, []
                         break
                     self.cond.wait(WINDOW_S if self.pending else 0.25)
+            if before_batch is not None and batches:
+                before_batch(batches)
+            batches += 1
             self._sample(engine, batch, params, extras)
 
     def _sample(self, engine, batch: list[_Pending], params: SamplingParams, extras) -> None:

@@ -42,7 +42,7 @@ class AgentFields:
         check(self.tool_parser in ("auto", *PARSERS),
               f"tool_parser must be auto or one of {', '.join(PARSERS)}")
         self.refuse(("env_kwargs", "env_timeout", "env_workers", "max_turns",
-                     "tool_error_reward", "partial_rollouts"),
+                     "tool_error_reward"),
                     "--agent (the agent program plays the episode; max_episode_tokens "
                     "bounds it)")
         if self.agent == "builtin" and self.model == "builtin":

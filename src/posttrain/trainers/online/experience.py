@@ -161,7 +161,8 @@ class ExperienceMaker:
             from posttrain.agents import run_agents
 
             eps = run_agents(self.agent_hub(), self.engine, self.tok, rows, n, seeds, params,
-                             self.cfg.on_reward_error, bool(self.rewards), extras & {"routing"})
+                             self.cfg.on_reward_error, bool(self.rewards), extras & {"routing"},
+                             self.before_turn)
             rollout = eps.rollout
         else:
             from posttrain.episodes import run_episodes
