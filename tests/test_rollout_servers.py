@@ -343,8 +343,8 @@ def test_two_ranks_sampling_from_the_servers_compute_the_update_of_one(fakes, tm
 def test_agents_sample_through_the_servers_token_exactly(tmp_path, monkeypatch):
     """``--agent builtin`` with ``--rollout_backend vllm_server``: the endpoint's batches go
     to the servers (an episode's later requests extend its first, so its server's prefix
-    cache serves them), and the trainer's log-probs at the captured tokens equal the servers' behaviour log-probs
-    to float32 rounding."""
+    cache serves them), and the trainer's log-probs at the captured tokens equal the
+    servers' behaviour log-probs to float32 rounding."""
     pytest.importorskip("openai")
     from bounds import model_inner, model_stages, rel_bound
     from posttrain.config import RLConfig
