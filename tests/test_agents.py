@@ -620,3 +620,56 @@ def test_agents_run_asynchronously(tmp_path, partial):
     steps = [r for r in rows if "agent/requests" in r]
     assert len(steps) == 3 and all(0 <= r["async/staleness"] <= 1 for r in steps)
     assert all(16 <= r["agent/requests"] <= 32 for r in steps)  # (16 episodes, 1-2 each)
+
+
+OPENAI_AGENTS = '''
+from agents import Agent, OpenAIChatCompletionsModel, Runner, function_tool
+from agents import set_tracing_disabled
+
+set_tracing_disabled(True)  # (offline: no traces sent anywhere)
+
+
+async def lookup(client, row):
+    """The built-in task as an openai-agents Agent with a function tool."""
+    @function_tool
+    def operand() -> str:
+        """The hidden operand of the sum."""
+        return str(row["b"])
+
+    agent = Agent(name="adder", tools=[operand], model=OpenAIChatCompletionsModel(
+        model="posttrain-policy", openai_client=client))
+    result = await Runner.run(agent, f"{row['a']}+?", max_turns=3)
+    return 1.0 if str(result.final_output).strip() == str(row["answer"]) else 0.0
+'''
+
+
+def test_an_openai_agents_agent_plays_the_episodes_the_sdk_agent_plays(tmp_path):
+    """An ``openai-agents`` Agent (its Runner, a function tool, the Chat Completions model on
+    the endpoint's AsyncOpenAI client) sends what the built-in ``openai``-SDK agent sends:
+    the same prompts token for token, so the same episodes are drawn and scored, and its
+    turns merge (no splits)."""
+    pytest.importorskip("agents")
+    from posttrain.builtin.episodes import rows
+    from posttrain.config import RLConfig
+    from posttrain.trainers.online import RLTrainer
+
+    (tmp_path / "oa.py").write_text(OPENAI_AGENTS)
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows(16, "train")))
+    got = {}
+    for name, agent in (("sdk", "posttrain.builtin.agent:lookup_agent"),
+                        ("openai-agents", f"{tmp_path}/oa.py:lookup")):
+        cfg = RLConfig(output_dir=str(tmp_path / name), agent=agent, data=str(data),
+                       model="builtin-episodes", tool_parser="ask", max_steps=1,
+                       prompts_per_step=8, group_size=4, device="cpu", tensorboard=False)
+        cfg.validate()
+        trainer = RLTrainer(cfg)
+        try:
+            exp = trainer.experience.collect(1)
+        finally:
+            trainer.close()
+        ro = exp.rollout
+        got[name] = (exp.scores.tolist(), ro.prompt_ids, ro.completion_ids.tolist(),
+                     ro.loss_mask.tolist())
+        assert ro.stats["trajectory_splits"].sum() == 0 and ro.stats["requests"].sum() > 32
+    assert got["sdk"] == got["openai-agents"]
