@@ -5,6 +5,7 @@ runs that train through it."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import urllib.error
 import urllib.request
@@ -521,7 +522,6 @@ def test_the_documented_example_trains(tiny_model_dir, tmp_path):
     """docs/agents.md's example agent, as the page prints it, trains and evaluates with the
     page's commands' keys (on the tiny model, two steps)."""
     pytest.importorskip("openai")
-    import re
     from pathlib import Path
 
     from posttrain.cli import main
@@ -532,13 +532,26 @@ def test_the_documented_example_trains(tiny_model_dir, tmp_path):
     (tmp_path / "guess_agent.py").write_text(code)
     (tmp_path / "targets.jsonl").write_text(rows)
     common = ["--agent", f"{tmp_path}/guess_agent.py:guess", "--data",
-              str(tmp_path / "targets.jsonl"), "--max_new_tokens", "8"]
+              str(tmp_path / "targets.jsonl"), "--max_new_tokens", "16"]
     assert main(["grpo", *common, "--model", tiny_model_dir, "--output_dir",
                  str(tmp_path / "run"), "--max_steps", "2", "--prompts_per_step", "2",
                  "--group_size", "2", "--device", "cpu", "--tensorboard", "false",
                  "--eval_every", "0"]) == 0
     assert main(["eval", *common, "--model", str(tmp_path / "run" / "final"),
                  "--device", "cpu"]) == 0
+    # its tool path, on a model that calls the tool (plain layout: ``call: guess(n=…)``)
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("guess_agent", tmp_path / "guess_agent.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    tok = merging_tokenizer(None)
+    replies = iter([ids_of(tok, "call: guess(n=50)"), ids_of(tok, "call: guess(n=37)")])
+    eps = run(make_hub(tok, module.guess), Replies(tok, lambda ids, s: next(replies)),
+              [{"target": 37}])
+    assert eps.returns.tolist() == [1.0] and eps.rollout.stats["requests"].tolist() == [2.0]
+    assert eps.rollout.stats["trajectory_splits"].tolist() == [0.0]  # (the turns merged)
+    assert "tool: lower" in tok.decode(eps.rollout.completion_ids[0])
 
 
 SUMMARISER = '''
@@ -673,3 +686,28 @@ def test_an_openai_agents_agent_plays_the_episodes_the_sdk_agent_plays(tmp_path)
                      ro.loss_mask.tolist())
         assert ro.stats["trajectory_splits"].sum() == 0 and ro.stats["requests"].sum() > 32
     assert got["sdk"] == got["openai-agents"]
+
+
+def test_a_hostile_agent_stops_the_run_in_one_line_with_exit_2(tiny_model_dir, tmp_path,
+                                                               capsys):
+    """From the command line: one line naming the agent, the file's row and the request;
+    exit 2. With ``--on_reward_error skip`` the episodes are dropped and the run goes on."""
+    pytest.importorskip("openai")
+    from posttrain.cli import main
+
+    (tmp_path / "bad.py").write_text(
+        "def bad(client, row):\n"
+        "    client.chat.completions.create(model='gpt-4o', messages=[\n"
+        "        {'role': 'user', 'content': row['prompt']}])\n")
+    (tmp_path / "rows.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    common = ["grpo", "--agent", f"{tmp_path}/bad.py:bad", "--data",
+              str(tmp_path / "rows.jsonl"), "--model", tiny_model_dir, "--max_steps", "1",
+              "--prompts_per_step", "2", "--group_size", "2", "--device", "cpu",
+              "--tensorboard", "false", "--eval_every", "0"]
+    assert main([*common, "--output_dir", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.fullmatch(
+        r"error: agent bad on row [12]: request 1: unknown model 'gpt-4o' \(this endpoint "
+        r"serves 'posttrain-policy'\)", err[0])
+    assert main([*common, "--output_dir", str(tmp_path / "b"), "--on_reward_error",
+                 "skip"]) == 0
