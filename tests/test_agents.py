@@ -460,9 +460,9 @@ def test_trainer_log_probs_at_captured_tokens_equal_the_behaviour_ones(backend, 
     """Through the endpoint, the trainer's log-probs of each captured sequence at its
     sampled tokens equal the engine's behaviour log-probs to float32 rounding."""
     pytest.importorskip("openai")
-    from bounds import model_inner, model_stages, rel_bound
     from posttrain.config import RLConfig
-    from posttrain.trainers.online import RLTrainer, TokenBatch
+    from posttrain.trainers.online import RLTrainer
+    from rl_steps import check_trainer_reads_behaviour
 
     cfg = RLConfig(output_dir=str(tmp_path), agent="builtin", max_steps=1, prompts_per_step=4,
                    group_size=4, rollout_backend=backend, builtin_train_size=16,
@@ -475,14 +475,7 @@ def test_trainer_log_probs_at_captured_tokens_equal_the_behaviour_ones(backend, 
     finally:
         trainer.close()
     assert ro.stats["requests"].max() == 2  # the model asks, then answers
-    mask = ro.trained_mask.bool()
-    sampled = ro.logprobs[mask].double()
-    bound = 2 * rel_bound(model_stages(trainer.policy.config, backward=False),
-                          model_inner(trainer.policy.config, 64))
-    tokens = TokenBatch(ro, trainer.tok.pad_token_id, "cpu", True, 1.0)
-    with torch.no_grad():
-        lp = tokens.logprobs(trainer.policy, torch.arange(len(mask)))[mask].double()
-    assert float((lp - sampled).norm() / sampled.norm()) <= bound
+    check_trainer_reads_behaviour(trainer, ro, share=True)
 
 
 def test_agent_config_errors(tmp_path):

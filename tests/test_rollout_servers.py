@@ -346,9 +346,9 @@ def test_agents_sample_through_the_servers_token_exactly(tmp_path, monkeypatch):
     cache serves them), and the trainer's log-probs at the captured tokens equal the
     servers' behaviour log-probs to float32 rounding."""
     pytest.importorskip("openai")
-    from bounds import model_inner, model_stages, rel_bound
     from posttrain.config import RLConfig
-    from posttrain.trainers.online import RLTrainer, TokenBatch
+    from posttrain.trainers.online import RLTrainer
+    from rl_steps import check_trainer_reads_behaviour
 
     path = str(builtin_model_dir("builtin-episodes"))
     model, tok = load_causal_lm(path, device="cpu").eval(), load_tokenizer(path)
@@ -365,14 +365,7 @@ def test_agents_sample_through_the_servers_token_exactly(tmp_path, monkeypatch):
         try:
             ro = trainer.experience.collect(1).rollout
             assert ro.stats["requests"].sum() > len(ro.prompt_ids)  # (some asked first)
-            mask = ro.trained_mask.bool()
-            sampled = ro.logprobs[mask].double()
-            bound = 2 * rel_bound(model_stages(trainer.policy.config, backward=False),
-                                  model_inner(trainer.policy.config, 64))
-            tokens = TokenBatch(ro, trainer.tok.pad_token_id, "cpu", False, 1.0)
-            with torch.no_grad():
-                lp = tokens.logprobs(trainer.policy, torch.arange(len(mask)))[mask].double()
-            assert float((lp - sampled).norm() / sampled.norm()) <= bound
+            check_trainer_reads_behaviour(trainer, ro)
         finally:
             trainer.close()
     finally:

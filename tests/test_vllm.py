@@ -399,8 +399,9 @@ def test_episodes_through_vllm_are_token_exact_and_learn(tmp_path):
     trainer's log-probs of each episode at its sampled tokens equal vLLM's behaviour
     log-probs within float32 rounding; GRPO lifts held-out accuracy from the start's 22% to
     at least 50% in 40 steps (measured 71%, as the lean engine)."""
-    from posttrain.trainers.online import RLTrainer, TokenBatch
+    from posttrain.trainers.online import RLTrainer
     from posttrain.trainers.online.trainer import run_rl
+    from rl_steps import check_trainer_reads_behaviour
 
     cfg = RLConfig(output_dir=str(tmp_path / "probe"), env="builtin", rollout_backend="vllm",
                    max_steps=1, prompts_per_step=16, group_size=4, builtin_train_size=64,
@@ -410,12 +411,7 @@ def test_episodes_through_vllm_are_token_exact_and_learn(tmp_path):
     try:
         ro = trainer.experience.collect(1).rollout
         assert ro.stats["turns"].max() == 2
-        mask = ro.trained_mask.bool()
-        sampled = ro.logprobs[mask].double()
-        tokens = TokenBatch(ro, trainer.tok.pad_token_id, "cpu", False, 1.0)
-        with torch.no_grad():
-            lp = tokens.logprobs(trainer.policy, torch.arange(len(mask)))[mask].double()
-        assert float((lp - sampled).norm() / sampled.norm()) <= _bound(trainer.policy)
+        check_trainer_reads_behaviour(trainer, ro)
     finally:
         trainer.close()
     cfg = RLConfig(output_dir=str(tmp_path / "run"), env="builtin", rollout_backend="vllm",
@@ -431,7 +427,8 @@ def test_agents_through_vllm_are_token_exact_and_draw_the_environments_episodes(
     the endpoint captured equal vLLM's behaviour log-probs within float32 rounding, and
     with vLLM's per-request seeds the agent draws the episodes ``--env builtin`` draws
     (the same rewards)."""
-    from posttrain.trainers.online import RLTrainer, TokenBatch
+    from posttrain.trainers.online import RLTrainer
+    from rl_steps import check_trainer_reads_behaviour
 
     got = {}
     for source in ("agent", "env"):
@@ -445,12 +442,7 @@ def test_agents_through_vllm_are_token_exact_and_draw_the_environments_episodes(
             exp = trainer.experience.collect(1)
             ro = exp.rollout
             got[source] = exp.scores.tolist()
-            mask = ro.trained_mask.bool()
-            sampled = ro.logprobs[mask].double()
-            tokens = TokenBatch(ro, trainer.tok.pad_token_id, "cpu", False, 1.0)
-            with torch.no_grad():
-                lp = tokens.logprobs(trainer.policy, torch.arange(len(mask)))[mask].double()
-            assert float((lp - sampled).norm() / sampled.norm()) <= _bound(trainer.policy)
+            check_trainer_reads_behaviour(trainer, ro)
         finally:
             trainer.close()
     assert got["agent"] == got["env"]
