@@ -368,6 +368,10 @@ def test_the_endpoint_refuses_requests_without_the_runs_key_and_late_calls():
                    [None], PARAMS)
         code, out = post(kept["client"], {"messages": [{"role": "user", "content": "go"}]})
         assert code == 409 and "not running" in out["error"]["message"]
+        with pytest.raises(AgentError, match=r"^agent test_agent on row 1: a request after "
+                                             "its episode ended$"):  # (the next batch says)
+            run_agents(hub, Replies(tok, lambda ids, s: ids_of(tok, "a")), tok, [{"q": 1}],
+                       1, [None], PARAMS)
         with urllib.request.urlopen(urllib.request.Request(
                 f"{hub.url}/models", headers={"Authorization": f"Bearer {hub.key}.x"}),
                 timeout=30) as r:

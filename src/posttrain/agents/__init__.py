@@ -22,11 +22,15 @@ def run_agents(hub: Hub, engine, tokenizer, rows: list[dict], n: int,
     :class:`~posttrain.episodes.Episodes`: a row per trajectory (an episode whose agent
     rewrote its history is several, which share its sample id, its reward and its final
     conversation), samples of a row together. An episode that failed raises an
-    :class:`AgentError` (``on_error="raise"``) or is one invalid row (``"skip"``).
+    :class:`AgentError` (``on_error="raise"``) or is one invalid row (``"skip"``); so is a
+    request that came after its episode ended (``"skip"``: counted, ``late_requests``).
     ``before_batch``: as for :meth:`Hub.run`."""
     from posttrain.episodes.loop import _collect, _Live
 
     eps = hub.run(engine, rows, n, seeds, params, extras, before_batch)
+    late = hub.take_late()  # (an agent's call after its episode ended: this run's, or before)
+    if late and on_error == "raise":
+        raise AgentError(late[0])
     live, samples, terms = [], [], {}
     for k, ep in enumerate(eps):
         if not ep.error and ep.reward is None and not has_rewards:
@@ -59,7 +63,8 @@ def run_agents(hub: Hub, engine, tokenizer, rows: list[dict], n: int,
                                        for i, s in enumerate(samples)]
     counts = {  # (on each episode's last row, 0 on the others: sums are the episodes')
         "trajectory_splits": [max(0, len(ep.capture.trajectories) - 1) for ep in eps],
-        "requests": [ep.requests for ep in eps], "refused_requests": [ep.refused for ep in eps]}
+        "requests": [ep.requests for ep in eps], "refused_requests": [ep.refused for ep in eps],
+        "late_requests": [len(late) if k == 0 else 0 for k in range(len(eps))]}
     for key, values in counts.items():
         stats[key] = torch.tensor([float(values[s]) if end else 0.0
                                    for s, end in zip(samples, last, strict=True)],

@@ -141,7 +141,10 @@ class Hub:
         self.cond = threading.Condition()
         self.episodes: dict[str, _Episode] = {}
         self.pending: list[_Pending] = []
-        self.late = 0
+        self.labels: dict[str, object] = {}
+        """Each episode's row, this run's and the last run's (to name a late request's)."""
+        self.late: list[str] = []
+        """Requests that came after their episode ended (one line each), not yet reported."""
         self.endpoint = Endpoint(self, self.key)
         self.url = self.endpoint.url
         self._runs = 0
@@ -154,6 +157,12 @@ class Hub:
             if key not in self._renderers:
                 self._renderers[key] = Renderer(self.tok, tools)
             return self._renderers[key]
+
+    def take_late(self) -> list[str]:
+        """The late requests' lines since the last call (and forgets them)."""
+        with self.cond:
+            late, self.late = self.late, []
+        return late
 
     def close(self) -> None:
         if self._shared is not None:
@@ -177,7 +186,11 @@ class Hub:
         with self.cond:
             ep = self.episodes.get(name)
             if ep is None or ep.finished:
-                self.late += 1
+                label = ep.label if ep is not None else self.labels.get(name)
+                self.late.append(
+                    f"agent {self.spec.name} on row {label}: a request after its episode "
+                    "ended" if label is not None else
+                    f"agent {self.spec.name}: a request for episode {name!r}, which never was")
                 return 409, error(f"episode {name!r} is not running (it ended, or never "
                                   "was)", 409)
         with ep.lock:  # (an episode's requests one at a time, in the order they came)
@@ -317,6 +330,9 @@ class Hub:
                for i, row in enumerate(rows) for j in range(n)]
         with self.cond:
             self.episodes = {e.name: e for e in eps}
+            self.labels = {**{k: v for k, v in self.labels.items()
+                              if k.startswith(f"{self._runs - 1}-")},
+                           **{e.name: e.label for e in eps}}
         pool = Workers(max(1, min(self.spec.concurrency, len(eps))), "posttrain-agent")
         for ep in eps:
             pool.submit(self._agent, ep)

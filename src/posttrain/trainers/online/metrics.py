@@ -75,7 +75,8 @@ def step_metrics(cfg, algo, exp, tokens, scores, mask, valid, old, ref, old_valu
                        if k != "env_s"})
         if "env_s" in ro.stats:
             record["time/env_s"] = float(ro.stats["env_s"].sum())
-        for k in ("trajectory_splits", "requests", "refused_requests"):  # (--agent: counts)
+        for k in ("trajectory_splits", "requests", "refused_requests",
+                  "late_requests"):  # (--agent: counts)
             if k in ro.stats:
                 record[f"agent/{k}"] = float(ro.stats[k].sum())
     if cfg.missing_eos_penalty or cfg.reward_normalize or cfg.reward_clip:
