@@ -338,6 +338,40 @@ def pad_sequences(prompts: list[list[int]], completions: list[list[int]], pad_id
     return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
 
 
+def pack_sequences(prompts: list[list[int]], completions: list[list[int]], pad_id: int,
+                   trained: list[list[int] | None] | None = None,
+                   budget: int | None = None) -> dict[str, torch.Tensor]:
+    """The sequences (prompt + completion) one after another without padding, ``(R, T)``:
+    ``input_ids``, ``position_ids`` restarting at 0 for each sequence (from which the
+    model's attention keeps each sequence to itself: transformers' packed-sequence mask),
+    and the completion ``loss_mask`` (``trained`` as in :func:`pad_sequences`). A row holds
+    sequences in order up to ``budget`` tokens (None: all in one row; a longer sequence has
+    a row of its own); a shorter row ends in pad ids, a block of their own, off the loss."""
+    padded = pad_sequences(prompts, completions, pad_id, trained)
+    lengths = padded["attention_mask"].sum(-1).tolist()
+    rows: list[list[int]] = []
+    used = 0
+    for i, n in enumerate(lengths):
+        if not rows or (budget is not None and used + n > budget):
+            rows.append([])
+            used = 0
+        rows[-1].append(i)
+        used += n
+    T = max(sum(lengths[i] for i in row) for row in rows)
+    out = {k: torch.full((len(rows), T), v, dtype=torch.long)
+           for k, v in (("input_ids", pad_id), ("position_ids", 0), ("loss_mask", 0))}
+    for r, row in enumerate(rows):
+        at = 0
+        for i in row:
+            n = lengths[i]
+            out["input_ids"][r, at:at + n] = padded["input_ids"][i, :n]
+            out["loss_mask"][r, at:at + n] = padded["loss_mask"][i, :n]
+            out["position_ids"][r, at:at + n] = torch.arange(n)
+            at += n
+        out["position_ids"][r, at:] = torch.arange(T - at)
+    return out
+
+
 def pad_left(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded ``(ids, mask)``, ``(B, Lp)``: every prompt ends at column ``Lp - 1``, so
     continuations of all rows start at the same column."""

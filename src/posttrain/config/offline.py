@@ -50,6 +50,21 @@ class SFTConfig(OfflineConfig):
     COMMAND: ClassVar[str] = "sft"
     lr: float = 1e-4
     batch_size: int = 32
+    packing: bool = False
+    """Padding-free micro-batches: a micro-batch's examples one after another in rows of
+    at most max_tokens_per_micro_batch tokens, positions restarting per example (the
+    model's attention keeps each example to itself); loss and metrics as padded, less the
+    padding's compute and memory (docs/scaling.md)."""
+    max_tokens_per_micro_batch: int | None = None
+    """packing: the most tokens a packed row holds (None: a micro-batch is one row; an
+    example longer than it has a row of its own)."""
+
+    def validate(self) -> None:
+        super().validate()
+        if not self.packing:
+            self.refuse(("max_tokens_per_micro_batch",), "sft without --packing true")
+        check(self.max_tokens_per_micro_batch is None or self.max_tokens_per_micro_batch >= 1,
+              "max_tokens_per_micro_batch must be ≥ 1")
 
 
 @dataclass

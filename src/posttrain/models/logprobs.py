@@ -108,8 +108,9 @@ def _placed(*values: torch.Tensor, target: torch.Tensor):
 
 
 def completion_logprobs(model: PreTrainedModel, input_ids: torch.Tensor,
-                        attention_mask: torch.Tensor, loss_mask: torch.Tensor,
-                        with_entropy: bool = False, temperature: float = 1.0):
+                        attention_mask: torch.Tensor | None, loss_mask: torch.Tensor,
+                        with_entropy: bool = False, temperature: float = 1.0,
+                        position_ids: torch.Tensor | None = None):
     """Log-probabilities of the tokens marked by ``loss_mask``, ``(B, T-1)``.
 
     ``input_ids``, ``attention_mask``, ``loss_mask`` are ``(B, T)``; entry ``t`` of the result
@@ -118,15 +119,17 @@ def completion_logprobs(model: PreTrainedModel, input_ids: torch.Tensor,
     With ``with_entropy`` it also returns the policy's entropy at the same positions
     ``(B, T-1)``, computed without gradient from the same logits (a metric). ``temperature``
     divides the logits first: the distribution a sampler at that temperature draws from.
+    ``position_ids`` (with ``attention_mask`` None): packed rows, each sequence's positions
+    from 0 (:func:`posttrain.data.pack_sequences`); the model keeps each to itself.
     """
     target = loss_mask[:, 1:].bool()  # (B, T-1)
     labels = input_ids[:, 1:][target]  # (N,)
     if has_plain_head(model):
-        hidden = completion_hidden(model, input_ids, attention_mask, loss_mask)
+        hidden = completion_hidden(model, input_ids, attention_mask, loss_mask, position_ids)
         return head_logprobs(model, hidden, labels, target, with_entropy, temperature)
     else:
         logits = model(input_ids=input_ids, attention_mask=attention_mask,
-                       use_cache=False).logits[:, :-1][target]
+                       position_ids=position_ids, use_cache=False).logits[:, :-1][target]
     return scatter_logprobs(tempered(logits, temperature), labels, target, with_entropy)
 
 
@@ -135,11 +138,14 @@ def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return logits if temperature == 1.0 else logits / temperature
 
 def completion_hidden(model: PreTrainedModel, input_ids: torch.Tensor,
-                      attention_mask: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+                      attention_mask: torch.Tensor | None, loss_mask: torch.Tensor,
+                      position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Last hidden states at the positions that predict the tokens ``loss_mask`` marks,
     ``(N, H)`` in row-major order of ``loss_mask[:, 1:]``: what an LM head turns into
-    log-probs and a critic's value head into values ``V(x, y_<t)``."""
+    log-probs and a critic's value head into values ``V(x, y_<t)`` (``position_ids``: as
+    for :func:`completion_logprobs`)."""
     hidden = backbone(model)(input_ids=input_ids, attention_mask=attention_mask,
+                              position_ids=position_ids,
                               use_cache=False).last_hidden_state  # (B, T, H)
     return hidden[:, :-1][loss_mask[:, 1:].bool()]
 

@@ -218,17 +218,20 @@ class SFTTrainer(OfflineJob):
     progress_keys = (("loss", "train/loss"), ("token acc", "train/token_accuracy"))
 
     def collate(self, examples):
-        return data_mod.pad_sequences([e.prompt for e in examples],
-                                      [e.completions[0] for e in examples],
-                                      self.tokenizer.pad_token_id,
-                                      [e.trained[0] if e.trained else None for e in examples])
+        args = ([e.prompt for e in examples], [e.completions[0] for e in examples],
+                self.tokenizer.pad_token_id, [e.trained[0] if e.trained else None
+                                              for e in examples])
+        if self.cfg.packing:  # (rows without padding; positions restart per example)
+            return data_mod.pack_sequences(*args, budget=self.cfg.max_tokens_per_micro_batch)
+        return data_mod.pad_sequences(*args)
 
     def units(self, batch):
         return int(batch["loss_mask"][:, 1:].sum())
 
     def loss(self, batch):
-        lp = completion_logprobs(self.model, batch["input_ids"], batch["attention_mask"],
-                                 batch["loss_mask"])  # (B, T-1), 0 off the completions
+        lp = completion_logprobs(self.model, batch["input_ids"], batch.get("attention_mask"),
+                                 batch["loss_mask"], position_ids=batch.get("position_ids")
+                                 )  # (rows, T-1), 0 off the completions
         return -lp.sum(), {}
 
 

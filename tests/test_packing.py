@@ -1,0 +1,132 @@
+"""Padding-free packing (``sft --packing true``): the packed layout, and log-probs and
+gradients of packed rows against the padded batch within derived bounds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from bounds import (
+    assert_within,
+    grad_term_scales,
+    logprob_scale,
+    model_inner,
+    model_stages,
+    pair_bound,
+)
+from posttrain.data import pack_sequences, pad_sequences
+from posttrain.models import completion_logprobs
+
+PROMPTS = [[1, 5, 6, 7], [1, 8], [1, 10, 11, 12, 13], [1, 14, 15]]
+COMPLETIONS = [[20, 21, 2], [22, 2], [23, 24, 25, 26, 2], [27, 2]]
+
+
+def test_the_packed_layout():
+    """Sequences one after another, positions from 0 each, the loss on completions only; a
+    budget starts a new row (a longer sequence alone); a row's pad tail is off the loss."""
+    seqs = [p + c for p, c in zip(PROMPTS, COMPLETIONS, strict=True)]  # lengths 7 4 10 5
+    out = pack_sequences(PROMPTS, COMPLETIONS, 0, budget=10)  # (7 + 4 > 10: a row each)
+    assert out["input_ids"].tolist() == [s + [0] * (10 - len(s)) for s in seqs]
+    one = pack_sequences(PROMPTS, COMPLETIONS, 0)
+    assert one["input_ids"].tolist() == [[t for seq in seqs for t in seq]]
+    assert one["position_ids"].tolist() == [list(range(7)) + list(range(4)) + list(range(10))
+                                            + list(range(5))]
+    assert one["loss_mask"].tolist() == [[0] * 4 + [1] * 3 + [0] * 2 + [1] * 2 + [0] * 5
+                                         + [1] * 5 + [0] * 3 + [1] * 2]
+    two = pack_sequences(PROMPTS, COMPLETIONS, 0, budget=14)  # 7 + 4 | 10 | 5
+    assert two["input_ids"].shape == (3, 11)
+    assert two["position_ids"][1].tolist() == [*range(10), 0]  # (the pad: a block of its own)
+    assert two["loss_mask"][2, 5:].sum() == 0
+    trained = pack_sequences(PROMPTS[:1], COMPLETIONS[:1], 0, [[1, 0, 1]])
+    assert trained["loss_mask"].tolist() == [[0] * 4 + [1, 0, 1]]
+
+
+@pytest.mark.parametrize("budget", [None, 12])
+def test_packed_rows_give_the_padded_log_probs_and_gradients(tiny_model_dir, budget):
+    """Each token's log-prob and every parameter gradient of the summed log-likelihood, packed
+    against padded: two float32 forwards (and backwards) of the same quantities, so within
+    ``pair_bound`` of the model's stages (+2: the log-softmax and the sum) and its longest
+    reduction, times the terms' scale (tests/bounds.py). A sequence that saw another's
+    tokens would be off by O(1)."""
+    from posttrain.models import load_causal_lm
+
+    model = load_causal_lm(tiny_model_dir, device="cpu")
+    padded = pad_sequences(PROMPTS, COMPLETIONS, 0)
+    packed = pack_sequences(PROMPTS, COMPLETIONS, 0, budget=budget)
+    params = list(model.parameters())
+
+    def run(batch, terms=False):
+        model.zero_grad()
+        lp = completion_logprobs(model, batch["input_ids"], batch.get("attention_mask"),
+                                 batch["loss_mask"], position_ids=batch.get("position_ids"))
+        scales = grad_term_scales(lp[lp != 0], params) if terms else None
+        lp.sum().backward()
+        return lp[batch["loss_mask"][:, 1:].bool()].detach(), \
+            [p.grad.clone() for p in params], scales
+
+    a, grads_a, scales = run(padded, terms=True)
+    b, grads_b, _ = run(packed)
+    cfg, tokens = model.config, padded["input_ids"].numel()
+    with torch.no_grad():
+        scale = logprob_scale(model(input_ids=padded["input_ids"],
+                                    attention_mask=padded["attention_mask"]).logits)
+    assert_within(b, a, pair_bound(model_stages(cfg, False) + 2, model_inner(cfg, tokens)),
+                  scale, "token log-probs")
+    bound = pair_bound(model_stages(cfg) + 2, model_inner(cfg, tokens))
+    for (name, _), ga, gb, s in zip(model.named_parameters(), grads_a, grads_b, scales,
+                                    strict=True):
+        assert_within(gb, ga, bound, s, name)
+    # (the bound can fail: without restarting positions the second sequence sees the first)
+    leaky = completion_logprobs(model, packed["input_ids"], None, packed["loss_mask"])
+    assert float((leaky[packed["loss_mask"][:, 1:].bool()] - a).abs().max()) > 1e-2
+
+
+def test_sft_with_packing_trains_as_padded(tiny_model_dir, tmp_path):
+    """``sft --packing true``: the first step's loss (before any update) equals the padded
+    run's within the log-probs' bound (a mean of per-token terms), and the run completes."""
+    from posttrain.cli import main
+
+    rows = [{"prompt": "12+3=", "completion": "15"}, {"prompt": "4+4=", "completion": "8"},
+            {"prompt": "30+41=", "completion": "71"}, {"prompt": "7+5=", "completion": "12"}]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    losses = []
+    for name, extra in (("padded", []), ("packed", ["--packing", "true",
+                                                    "--max_tokens_per_micro_batch", "16"])):
+        out = tmp_path / name
+        assert main(["sft", "--model", tiny_model_dir, "--data", str(tmp_path / "d.jsonl"),
+                     "--batch_size", "4", "--max_steps", "2", "--log_every", "1",
+                     "--device", "cpu", "--tensorboard", "false", "--output_dir", str(out),
+                     *extra]) == 0
+        first = next(json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()
+                     if '"train/loss"' in x)
+        losses.append(first["train/loss"])
+    from posttrain.data import encode_sft
+    from posttrain.models import load_causal_lm, load_tokenizer
+
+    model, tok = load_causal_lm(tiny_model_dir, device="cpu"), load_tokenizer(tiny_model_dir)
+    examples = encode_sft(tok, "d.jsonl", [{**r, "_row": i + 1} for i, r in enumerate(rows)],
+                          512, "error")  # (what the runs trained on)
+    batch = pad_sequences([e.prompt for e in examples], [e.completions[0] for e in examples],
+                          tok.pad_token_id)
+    with torch.no_grad():
+        scale = logprob_scale(model(input_ids=batch["input_ids"],
+                                    attention_mask=batch["attention_mask"]).logits)
+    # the loss is a mean of per-token log-probs, each of which the two layouts compute
+    # within pair_bound · scale (as above): so is the mean
+    cfg = model.config
+    bound = pair_bound(model_stages(cfg, False) + 2, model_inner(cfg, 64)) * scale
+    assert abs(losses[0] - losses[1]) <= bound
+
+
+def test_packing_keys_are_checked(tmp_path):
+    from posttrain.config import ConfigError, SFTConfig
+
+    cfg = SFTConfig(output_dir=str(tmp_path), max_tokens_per_micro_batch=64)
+    cfg.given = {"max_tokens_per_micro_batch"}
+    with pytest.raises(ConfigError, match="max_tokens_per_micro_batch"):
+        cfg.validate()
+    cfg = SFTConfig(output_dir=str(tmp_path), packing=True, max_tokens_per_micro_batch=0)
+    with pytest.raises(ConfigError, match="must be ≥ 1"):
+        cfg.validate()
