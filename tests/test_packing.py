@@ -130,3 +130,97 @@ def test_packing_keys_are_checked(tmp_path):
     cfg = SFTConfig(output_dir=str(tmp_path), packing=True, max_tokens_per_micro_batch=0)
     with pytest.raises(ConfigError, match="must be ≥ 1"):
         cfg.validate()
+
+
+PAIRS = 3  # PROMPTS[:3] with chosen COMPLETIONS[:3] and rejected COMPLETIONS[1:4]
+
+
+def _pair_layouts(budget):
+    from posttrain.trainers.offline import _pair_batch
+
+    class Example:
+        def __init__(self, i):
+            self.prompt, self.completions = PROMPTS[i], (COMPLETIONS[i], COMPLETIONS[i + 1])
+
+    examples = [Example(i) for i in range(PAIRS)]
+    return _pair_batch(examples, 0), _pair_batch(examples, 0, packing=True, budget=budget)
+
+
+@pytest.mark.parametrize("budget", [None, 16])
+def test_dpo_sequence_log_likelihoods_packed_as_padded(tiny_model_dir, budget):
+    """A pair's chosen and rejected in one row; each sequence's summed log-likelihood (and
+    its completion length) read back in the padded order, values and gradients within the
+    derived bound of two float32 forwards (a sum of up to ``longest`` token terms)."""
+    from posttrain.models import load_causal_lm
+    from posttrain.trainers.offline import DPOTrainer
+
+    model = load_causal_lm(tiny_model_dir, device="cpu")
+    padded, packed = _pair_layouts(budget)
+    assert packed["sequence_ids"][:, 0].tolist()[:1] == [0]  # (chosen 0 first, then its pair)
+    for row in range(packed["input_ids"].shape[0]):  # no pair split across rows
+        seqs = set(packed["sequence_ids"][row].tolist()) - {-1}
+        assert all((i + PAIRS if i < PAIRS else i - PAIRS) in seqs for i in seqs)
+    params = list(model.parameters())
+    out = []
+    for batch in (padded, packed):
+        model.zero_grad()
+        seq = DPOTrainer._sequence_logps(model, batch)
+        (seq * torch.arange(1, 2 * PAIRS + 1)).sum().backward()  # (each sequence its weight)
+        out.append((seq.detach(), [p.grad.clone() for p in params],
+                    DPOTrainer._lengths(batch)))
+    (a, ga, la), (b, gb, lb) = out
+    assert torch.equal(la, lb)
+    cfg, tokens = model.config, padded["input_ids"].numel()
+    with torch.no_grad():
+        scale = logprob_scale(model(input_ids=padded["input_ids"],
+                                    attention_mask=padded["attention_mask"]).logits)
+    longest = int(la.max())
+    assert_within(b, a, pair_bound(model_stages(cfg, False) + 2, model_inner(cfg, tokens)),
+                  longest * scale, "sequence log-likelihoods")
+    # a gradient's terms: each token's log-prob gradient times its sequence's weight
+    bound = pair_bound(model_stages(cfg) + 2, model_inner(cfg, tokens))
+    model.zero_grad()
+    lp = completion_logprobs(model, padded["input_ids"], padded["attention_mask"],
+                             padded["loss_mask"]) * torch.arange(1, 2 * PAIRS + 1)[:, None]
+    scales = grad_term_scales(lp[lp != 0], params)
+    for (name, _), x, y, s in zip(model.named_parameters(), ga, gb, scales, strict=True):
+        assert_within(y, x, bound, s, name)
+
+
+def test_reward_scores_packed_as_padded(tiny_model_dir):
+    """A reward model's score of each sequence, read at its last token of its packed row,
+    equals the padded one's within two float32 forwards' bound: the backbone's stages and
+    the head's dot product (+1), times the head's terms ``Σ|w_i h_i|``."""
+    from posttrain.models import load_tokenizer
+    from posttrain.models.loading import load_reward_model
+    from posttrain.models.logprobs import backbone, sequence_scores
+
+    model = load_reward_model(tiny_model_dir, load_tokenizer(tiny_model_dir))
+    padded, packed = _pair_layouts(None)
+    a = sequence_scores(model, padded["input_ids"], padded["attention_mask"])
+    b = sequence_scores(model, packed["input_ids"], None, packed["position_ids"],
+                        packed["ends"])
+    with torch.no_grad():
+        hidden = backbone(model)(input_ids=padded["input_ids"],
+                                 attention_mask=padded["attention_mask"]).last_hidden_state
+        last = padded["attention_mask"].sum(-1) - 1
+        h = hidden[torch.arange(len(last)), last]
+        terms = (h.abs() @ model.score.weight.abs().T).squeeze(-1)
+    cfg = model.config
+    assert_within(b.detach(), a.detach(),
+                  pair_bound(model_stages(cfg, False) + 1,
+                             model_inner(cfg, padded["input_ids"].numel())),
+                  terms, "scores")
+
+
+@pytest.mark.parametrize("command", ["rm", "dpo"])
+def test_rm_and_dpo_train_packed(tiny_model_dir, tmp_path, command):
+    from posttrain.cli import main
+
+    rows = [{"prompt": f"{a}+{a}=", "chosen": str(2 * a), "rejected": str(2 * a + 1)}
+            for a in range(6)]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main([command, "--model", tiny_model_dir, "--data", str(tmp_path / "p.jsonl"),
+                 "--batch_size", "3", "--max_steps", "2", "--device", "cpu", "--tensorboard",
+                 "false", "--packing", "true", "--max_tokens_per_micro_batch", "32",
+                 "--output_dir", str(tmp_path / "run")]) == 0

@@ -340,26 +340,36 @@ def pad_sequences(prompts: list[list[int]], completions: list[list[int]], pad_id
 
 def pack_sequences(prompts: list[list[int]], completions: list[list[int]], pad_id: int,
                    trained: list[list[int] | None] | None = None,
-                   budget: int | None = None) -> dict[str, torch.Tensor]:
+                   budget: int | None = None,
+                   together: list[list[int]] | None = None) -> dict[str, torch.Tensor]:
     """The sequences (prompt + completion) one after another without padding, ``(R, T)``:
     ``input_ids``, ``position_ids`` restarting at 0 for each sequence (from which the
     model's attention keeps each sequence to itself: transformers' packed-sequence mask),
-    and the completion ``loss_mask`` (``trained`` as in :func:`pad_sequences`). A row holds
-    sequences in order up to ``budget`` tokens (None: all in one row; a longer sequence has
-    a row of its own); a shorter row ends in pad ids, a block of their own, off the loss."""
+    the completion ``loss_mask`` (``trained`` as in :func:`pad_sequences`), and
+    ``sequence_ids`` (each token's sequence, -1 on padding) and ``ends`` ``(N, 2)`` (the row
+    and column of each sequence's last token), which read per-sequence results back.
+
+    A row holds sequences up to ``budget`` tokens (None: all in one row; a longer one has a
+    row of its own); a shorter row ends in pad ids, a block of their own, off the loss.
+    ``together``: groups of sequence indices never split across rows (a preference pair's
+    chosen and rejected), laid out in that order; default: each sequence alone, in order."""
     padded = pad_sequences(prompts, completions, pad_id, trained)
     lengths = padded["attention_mask"].sum(-1).tolist()
+    groups = together if together is not None else [[i] for i in range(len(lengths))]
     rows: list[list[int]] = []
     used = 0
-    for i, n in enumerate(lengths):
+    for group in groups:
+        n = sum(lengths[i] for i in group)
         if not rows or (budget is not None and used + n > budget):
             rows.append([])
             used = 0
-        rows[-1].append(i)
+        rows[-1].extend(group)
         used += n
     T = max(sum(lengths[i] for i in row) for row in rows)
     out = {k: torch.full((len(rows), T), v, dtype=torch.long)
-           for k, v in (("input_ids", pad_id), ("position_ids", 0), ("loss_mask", 0))}
+           for k, v in (("input_ids", pad_id), ("position_ids", 0), ("loss_mask", 0),
+                        ("sequence_ids", -1))}
+    out["ends"] = torch.zeros(len(lengths), 2, dtype=torch.long)
     for r, row in enumerate(rows):
         at = 0
         for i in row:
@@ -367,9 +377,19 @@ def pack_sequences(prompts: list[list[int]], completions: list[list[int]], pad_i
             out["input_ids"][r, at:at + n] = padded["input_ids"][i, :n]
             out["loss_mask"][r, at:at + n] = padded["loss_mask"][i, :n]
             out["position_ids"][r, at:at + n] = torch.arange(n)
+            out["sequence_ids"][r, at:at + n] = i
+            out["ends"][i] = torch.tensor([r, at + n - 1])
             at += n
         out["position_ids"][r, at:] = torch.arange(T - at)
     return out
+
+
+def per_sequence(values: torch.Tensor, sequence_ids: torch.Tensor, n: int) -> torch.Tensor:
+    """``(n,)`` sums of packed per-token ``values`` ``(R, T')`` by sequence, with
+    ``sequence_ids`` ``(R, T')`` aligned to them (-1: none)."""
+    keep = sequence_ids >= 0
+    out = torch.zeros(n, dtype=values.dtype, device=values.device)
+    return out.index_add(0, sequence_ids[keep], values[keep])
 
 
 def pad_left(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

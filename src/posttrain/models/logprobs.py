@@ -157,20 +157,28 @@ def value_head(model: PreTrainedModel) -> torch.nn.Module:
     return head
 
 def sequence_scores(model: PreTrainedModel, input_ids: torch.Tensor,
-                    attention_mask: torch.Tensor) -> torch.Tensor:
+                    attention_mask: torch.Tensor | None,
+                    position_ids: torch.Tensor | None = None,
+                    ends: torch.Tensor | None = None) -> torch.Tensor:
     """Scalar score of each sequence, read at its last non-padding token, ``(B,)``.
 
     The position comes from ``attention_mask`` (not from the pad id, which may equal eos), so
-    left and right padding both work.
+    left and right padding both work. Packed rows (:func:`posttrain.data.pack_sequences`):
+    ``position_ids`` and ``ends`` ``(N, 2)``, each sequence's row and last column, with
+    ``attention_mask`` None; the scores of the N sequences.
     """
     head = getattr(model, "score", None)
-    T = attention_mask.shape[1]
-    positions = torch.arange(T, device=attention_mask.device)
-    last = torch.where(attention_mask.bool(), positions, -1).amax(dim=1)  # (B,)
-    rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+    if ends is not None:
+        rows, last = ends[:, 0], ends[:, 1]
+    else:
+        T = attention_mask.shape[1]
+        positions = torch.arange(T, device=attention_mask.device)
+        last = torch.where(attention_mask.bool(), positions, -1).amax(dim=1)  # (B,)
+        rows = torch.arange(input_ids.shape[0], device=input_ids.device)
     if isinstance(head, torch.nn.Module):
         hidden = backbone(model)(input_ids=input_ids, attention_mask=attention_mask,
-                                  use_cache=False).last_hidden_state
+                                  position_ids=position_ids, use_cache=False).last_hidden_state
         return head(hidden[rows, last]).squeeze(-1).float()
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                   position_ids=position_ids, use_cache=False).logits
     return logits.squeeze(-1).float() if logits.dim() == 2 else logits[rows, last, 0].float()

@@ -56,13 +56,18 @@ def _completion_tokens(batch: dict) -> int:
     return int(batch["attention_mask"].sum())
 
 
-def _pair_batch(examples: list[data_mod.Encoded], pad_id: int, share_prompt: bool = False
-                ) -> dict:
+def _pair_batch(examples: list[data_mod.Encoded], pad_id: int, share_prompt: bool = False,
+                packing: bool = False, budget: int | None = None) -> dict:
     """Chosen rows first, then rejected: ``(2B, T)`` full sequences, or with ``share_prompt``
-    the ``(B, Lp)`` prompts and ``(2B, Lc)`` completions."""
+    the ``(B, Lp)`` prompts and ``(2B, Lc)`` completions, or with ``packing`` packed rows
+    (a pair's two sequences in one row; per-sequence results read back in that order)."""
     prompts = [e.prompt for e in examples]
     completions = [e.completions[0] for e in examples] + [e.completions[1] for e in examples]
-    if share_prompt:
+    B = len(examples)
+    if packing:
+        batch = data_mod.pack_sequences(prompts * 2, completions, pad_id, budget=budget,
+                                        together=[[i, B + i] for i in range(B)])
+    elif share_prompt:
         batch = data_mod.pad_shared_prompts(prompts, completions, pad_id)
     else:
         batch = data_mod.pad_sequences(prompts * 2, completions, pad_id)
@@ -239,7 +244,8 @@ class RewardTrainer(OfflineJob):
     progress_keys = (("loss", "train/loss"), ("acc", "train/accuracy"))
 
     def collate(self, examples):
-        batch = _pair_batch(examples, self.tokenizer.pad_token_id)
+        batch = _pair_batch(examples, self.tokenizer.pad_token_id, packing=self.cfg.packing,
+                            budget=self.cfg.max_tokens_per_micro_batch)
         margins = [e.margin or 0.0 for e in examples]
         batch["margin"] = torch.tensor(margins) if any(margins) else None
         return batch
@@ -249,7 +255,8 @@ class RewardTrainer(OfflineJob):
 
     def loss(self, batch):
         n = batch["n_pairs"]
-        scores = sequence_scores(self.model, batch["input_ids"], batch["attention_mask"])
+        scores = sequence_scores(self.model, batch["input_ids"], batch.get("attention_mask"),
+                                 batch.get("position_ids"), batch.get("ends"))
         loss, m = bradley_terry_loss(scores[:n], scores[n:], batch["margin"],
                                      self.cfg.center_coef)
         return loss.sum(), {"accuracy": m["accuracy"] * n, "margin": m["margin"] * n}
@@ -266,7 +273,7 @@ class DPOTrainer(OfflineJob):
             raise ConfigError("router_aux_loss_coef needs share_prompt=false (the shared "
                               "prompt's packed mask hides which tokens the loss counts)")
         # (the auxiliary loss reads each forward's padding: full sequences)
-        self.share_prompt = (False if self.aux_coef and cfg.share_prompt is None
+        self.share_prompt = (False if (self.aux_coef or cfg.packing) and cfg.share_prompt is None
                              else decide_share_prompt(cfg.share_prompt, model))
         if cfg.precompute_ref:
             for examples in (self.train_examples, self.eval_examples):
@@ -293,6 +300,11 @@ class DPOTrainer(OfflineJob):
         if "prompt_ids" in batch:
             lp = shared_prompt_logprobs(model, batch["prompt_ids"], batch["prompt_mask"],
                                         batch["completion_ids"], batch["completion_mask"])
+        elif "sequence_ids" in batch:  # packed rows: sums by sequence, chosen then rejected
+            lp = completion_logprobs(model, batch["input_ids"], None, batch["loss_mask"],
+                                     position_ids=batch["position_ids"])
+            return data_mod.per_sequence(lp, batch["sequence_ids"][:, 1:],
+                                         2 * batch["n_pairs"])
         else:
             lp = completion_logprobs(model, batch["input_ids"], batch["attention_mask"],
                                      batch["loss_mask"])
@@ -302,10 +314,14 @@ class DPOTrainer(OfflineJob):
     def _lengths(batch) -> torch.Tensor:
         if "completion_mask" in batch:
             return batch["completion_mask"].sum(-1)
+        if "sequence_ids" in batch:
+            return data_mod.per_sequence(batch["loss_mask"][:, 1:], batch["sequence_ids"][:, 1:],
+                                         2 * batch["n_pairs"])
         return batch["loss_mask"][:, 1:].sum(-1)
 
     def collate(self, examples, with_ref: bool = True):
-        batch = _pair_batch(examples, self.tokenizer.pad_token_id, self.share_prompt)
+        batch = _pair_batch(examples, self.tokenizer.pad_token_id, self.share_prompt,
+                            self.cfg.packing, self.cfg.max_tokens_per_micro_batch)
         if with_ref and self.cfg.precompute_ref:
             batch["ref_logps"] = torch.tensor([e.ref_logps[0] for e in examples]
                                               + [e.ref_logps[1] for e in examples])
