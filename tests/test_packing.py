@@ -224,3 +224,61 @@ def test_rm_and_dpo_train_packed(tiny_model_dir, tmp_path, command):
                  "--batch_size", "3", "--max_steps", "2", "--device", "cpu", "--tensorboard",
                  "false", "--packing", "true", "--max_tokens_per_micro_batch", "32",
                  "--output_dir", str(tmp_path / "run")]) == 0
+
+
+@pytest.mark.parametrize("budget", [None, 12])
+def test_rl_token_batches_packed_as_padded(tiny_model_dir, budget):
+    """An RL step's token batch (full sequences, ``share_prompt`` off): the log-probs and
+    entropies of any subset of its rows, and a critic's values, packed as padded, within
+    two float32 forwards' bound (the critic's: its backbone and the value head's dot
+    product, times its terms ``Σ|w_i h_i|``)."""
+    from posttrain.models import load_causal_lm, load_tokenizer
+    from posttrain.models.loading import load_reward_model
+    from posttrain.models.logprobs import backbone
+    from posttrain.rollout import Rollout
+    from posttrain.trainers.online import TokenBatch
+
+    model = load_causal_lm(tiny_model_dir, device="cpu")
+    Lc = max(map(len, COMPLETIONS))
+    ids = torch.tensor([c + [0] * (Lc - len(c)) for c in COMPLETIONS])
+    mask = (torch.arange(Lc) < torch.tensor([len(c) for c in COMPLETIONS])[:, None]).long()
+    rollout = Rollout(prompt_ids=PROMPTS, completion_ids=ids, completion_mask=mask,
+                      logprobs=torch.zeros(ids.shape), truncated=torch.zeros(4, dtype=bool),
+                      group_ids=torch.arange(4), texts=[""] * 4)
+    padded = TokenBatch(rollout, 0, "cpu", False, 0.7)
+    packed = TokenBatch(rollout, 0, "cpu", False, 0.7, packing=True, budget=budget)
+    cfg, tokens = model.config, padded.full["input_ids"].numel()
+    with torch.no_grad():
+        scale = logprob_scale(model(input_ids=padded.full["input_ids"],
+                                    attention_mask=padded.full["attention_mask"]).logits / 0.7)
+        for rows in (torch.arange(4), torch.tensor([3, 1])):
+            (a, ea), (b, eb) = (t.logprobs(model, rows, with_entropy=True)
+                                for t in (padded, packed))
+            bound = pair_bound(model_stages(cfg, False) + 2, model_inner(cfg, tokens))
+            assert_within(b, a, bound, scale, "log-probs")
+            assert_within(eb, ea, bound, scale, "entropies")  # (each term ≤ scale too)
+            assert (a[mask[rows] == 0] == 0).all() and (b[mask[rows] == 0] == 0).all()
+        critic = load_reward_model(tiny_model_dir, load_tokenizer(tiny_model_dir))
+        rows = torch.arange(4)
+        a, b = padded.values(critic, rows), packed.values(critic, rows)
+        hidden = backbone(critic)(input_ids=padded.full["input_ids"],
+                                  attention_mask=padded.full["attention_mask"]
+                                  ).last_hidden_state
+        terms = (hidden.abs() @ critic.score.weight.abs().T).amax()
+        assert_within(b, a, pair_bound(model_stages(cfg, False) + 1, model_inner(cfg, tokens)),
+                      float(terms), "values")
+
+
+@pytest.mark.parametrize("command", [["grpo"], ["ppo"], ["grpo", "--env", "builtin"]])
+def test_rl_runs_train_packed(command, tmp_path):
+    """``--packing true`` on the RL trainers (and episodes): the run completes, sampling and
+    scoring as ever."""
+    from posttrain.cli import main
+
+    out = tmp_path / "run"
+    assert main([*command, "--packing", "true", "--max_tokens_per_micro_batch", "64",
+                 "--max_steps", "2", "--prompts_per_step", "4", "--group_size", "2",
+                 "--builtin_train_size", "16", "--builtin_eval_size", "4", "--eval_every", "0",
+                 "--device", "cpu", "--tensorboard", "false", "--output_dir", str(out)]) == 0
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert max(r.get("step", 0) for r in rows if "train/loss" in r) == 2

@@ -9,11 +9,12 @@ from typing import ClassVar
 
 from posttrain.config.base import RunConfig
 from posttrain.config.errors import check
+from posttrain.config.packing import PackingFields
 from posttrain.core.preference import DPO_LOSS_TYPES
 
 
 @dataclass
-class OfflineConfig(RunConfig):
+class OfflineConfig(PackingFields, RunConfig):
     """Training on a fixed dataset: batching, epochs and example length."""
 
     batch_size: int = 16
@@ -26,24 +27,12 @@ class OfflineConfig(RunConfig):
     """Longest tokenised example (prompt + completion) allowed."""
     overlong: str = "error"
     """What to do with a longer example: error, truncate (cut the completion) or drop."""
-    packing: bool = False
-    """Padding-free micro-batches: a micro-batch's sequences one after another in rows of
-    at most max_tokens_per_micro_batch tokens, positions restarting per sequence (the
-    model's attention keeps each to itself; a preference pair's two in one row); loss and
-    metrics as padded, less the padding's compute and memory (docs/scaling.md)."""
-    max_tokens_per_micro_batch: int | None = None
-    """packing: the most tokens a packed row holds (None: a micro-batch is one row; a
-    longer sequence, or pair, has a row of its own)."""
 
     def validate(self) -> None:
         super().validate()
         check(self.batch_size >= 1 and self.grad_accum >= 1,
               "batch_size and grad_accum must be ≥ 1")
-        if not self.packing:
-            self.refuse(("max_tokens_per_micro_batch",), f"{self.COMMAND} without --packing "
-                        "true")
-        check(self.max_tokens_per_micro_batch is None or self.max_tokens_per_micro_batch >= 1,
-              "max_tokens_per_micro_batch must be ≥ 1")
+        self._check_packing()
         check(self.epochs > 0 or self.max_steps > 0, "need epochs > 0 or max_steps > 0")
         check(self.max_length >= 2, "max_length must be ≥ 2")
         check(self.overlong in ("error", "truncate", "drop"),
@@ -120,8 +109,6 @@ class DPOConfig(OfflineConfig):
     def validate(self) -> None:
         super().validate()
         check(self.beta > 0, "beta must be > 0")
-        check(not (self.packing and self.share_prompt), "packing and share_prompt are two "
-              "layouts of a pair's sequences: choose one")
         check(self.loss_type in DPO_LOSS_TYPES,
               f"loss_type must be one of {', '.join(DPO_LOSS_TYPES)}")
         check(0 <= self.label_smoothing < 0.5, "label_smoothing must be in [0, 0.5)")

@@ -11,6 +11,7 @@ from typing import ClassVar
 from posttrain.config.agents import AgentFields
 from posttrain.config.base import RunConfig
 from posttrain.config.errors import ConfigError, check
+from posttrain.config.packing import PackingFields
 from posttrain.config.rewards import RewardFields
 from posttrain.config.servers import RolloutServerFields
 from posttrain.config.sides import SamplerSideFields
@@ -22,8 +23,8 @@ command, so it is not one)."""
 
 
 @dataclass
-class RLConfig(AgentFields, SamplerSideFields, RewardFields, RolloutServerFields,
-               RunConfig):
+class RLConfig(AgentFields, PackingFields, SamplerSideFields, RewardFields,
+               RolloutServerFields, RunConfig):
     """On-policy RL with verifiable rewards (the critic-free algorithms of the table)."""
 
     COMMAND: ClassVar[str] = "grpo"
@@ -219,6 +220,9 @@ class RLConfig(AgentFields, SamplerSideFields, RewardFields, RolloutServerFields
         self._check_rewards()
         self._check_env()
         self._check_agent()
+        self._check_packing()
+        check(not (self.packing and self.routing_replay != "none"), "routing_replay records "
+              "and replays padded sequences; it does not take --packing yet")
         self._check_async()
         check(self.routing_replay in ("none", "r2", "r3"),
               "routing_replay must be none, r2 or r3")

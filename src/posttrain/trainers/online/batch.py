@@ -36,7 +36,7 @@ class TokenBatch:
     """
 
     def __init__(self, rollout: Rollout, pad_id: int, device, share_prompt: bool,
-                 temperature: float = 1.0):
+                 temperature: float = 1.0, packing: bool = False, budget: int | None = None):
         self.temperature = temperature
         """Every log-prob pass divides the logits by the sampling temperature, so the update,
         old and reference log-probs are of the distribution that sampled (top-k / top-p
@@ -68,6 +68,10 @@ class TokenBatch:
             self.full = {k: v.to(device) for k, v in full.items()}
             self.prompt_lengths = torch.tensor([len(p) for p in rollout.prompt_ids],
                                                device=device)
+        self.pad_id, self.budget = pad_id, budget
+        self.packing = packing and not share_prompt
+        """Full sequences run packed, without padding (``--packing``): each pass packs its
+        rows (:meth:`_pack`)."""
 
     def __len__(self) -> int:
         return len(self.completion_ids)
@@ -111,20 +115,46 @@ class TokenBatch:
                 kw["replay"], kw["known_head"] = got.replay, got.head
             return shared_prompt_logprobs(model, *args, with_entropy=with_entropy,
                                           temperature=self.temperature, **kw)
-        with self._routing(rows):
-            out = completion_logprobs(model, self.full["input_ids"][rows],
-                                      self.full["attention_mask"][rows],
-                                      self.full["loss_mask"][rows], with_entropy=with_entropy,
-                                      temperature=self.temperature)
+        if self.packing:
+            packed, where, start = self._pack(rows)
+            out = completion_logprobs(model, packed["input_ids"], None, packed["loss_mask"],
+                                      with_entropy=with_entropy, temperature=self.temperature,
+                                      position_ids=packed["position_ids"])
+        else:
+            with self._routing(rows):
+                out = completion_logprobs(model, self.full["input_ids"][rows],
+                                          self.full["attention_mask"][rows],
+                                          self.full["loss_mask"][rows],
+                                          with_entropy=with_entropy,
+                                          temperature=self.temperature)
+            where, start = None, 0
         outs = out if with_entropy else (out,)
         # completion token j of a row sits at sequence position len(prompt) + j, so its
-        # log-prob is column len(prompt) + j - 1 of the (T - 1) layout
+        # log-prob is column len(prompt) + j - 1 of the (T - 1) layout (packed: of its
+        # packed row, after the sequences before it)
         Lc = self.completion_ids.shape[1]
-        cols = self.prompt_lengths[rows][:, None] - 1 + torch.arange(Lc, device=rows.device)
+        cols = (start + self.prompt_lengths[rows])[:, None] - 1 + torch.arange(
+            Lc, device=rows.device)
         mask = self.completion_mask[rows].bool()
         cols = cols.clamp_max(outs[0].shape[1] - 1)
-        res = [torch.where(mask, x.gather(1, cols), 0.0) for x in outs]
+        res = [torch.where(mask, (x if where is None else x[where]).gather(1, cols), 0.0)
+               for x in outs]
         return tuple(res) if with_entropy else res[0]
+
+    def _pack(self, rows: torch.Tensor):
+        """``rows``' full sequences packed (:func:`posttrain.data.pack_sequences`, in row
+        order): the packed batch, and each row's packed row and first column."""
+        ids = self.full["input_ids"][rows].tolist()
+        lengths = self.full["attention_mask"][rows].sum(-1).tolist()
+        starts = self.prompt_lengths[rows].tolist()
+        packed = data_mod.pack_sequences([x[:p] for x, p in zip(ids, starts, strict=True)],
+                                         [x[p:n] for x, p, n in zip(ids, starts, lengths,
+                                                                    strict=True)],
+                                         self.pad_id, budget=self.budget)
+        device = rows.device
+        packed = {k: v.to(device) for k, v in packed.items()}
+        ends = packed["ends"]
+        return packed, ends[:, 0], ends[:, 1] - torch.tensor(lengths, device=device) + 1
 
     def _routing(self, rows: torch.Tensor):
         """The routing context of a forward of ``rows`` (a no-op without one); rows never
@@ -154,6 +184,10 @@ class TokenBatch:
         if self.share:
             args, kw = self._shared(critic, rows)
             hidden = shared_prompt_hidden(critic, *args, **kw)
+        elif self.packing:  # (packed in row order: the completions' tokens in order)
+            packed = self._pack(rows)[0]
+            hidden = completion_hidden(critic, packed["input_ids"], None, packed["loss_mask"],
+                                       packed["position_ids"])
         else:
             hidden = completion_hidden(critic, self.full["input_ids"][rows],
                                        self.full["attention_mask"][rows],

@@ -94,8 +94,9 @@ class RLTrainer(Job):
         if cfg.routing_replay != "none" and not self.moe:
             raise ConfigError(f"routing_replay={cfg.routing_replay} needs a mixture-of-experts "
                               f"policy; {type(self.policy).__name__} has no router")
-        self.share_prompt = (False if self.moe and cfg.share_prompt is None else
-                             decide_share_prompt(cfg.share_prompt, self.policy, cfg.group_size))
+        self.share_prompt = (False if (self.moe or cfg.packing) and cfg.share_prompt is None
+                             else decide_share_prompt(cfg.share_prompt, self.policy,
+                                                      cfg.group_size))
         try:
             self.router_aux_coef = routing.aux_coef(self.policy, cfg.router_aux_loss_coef)
         except ValueError as e:
@@ -286,7 +287,8 @@ class RLTrainer(Job):
         a rank left without rows (it adds nothing to the gradient)."""
         if not (len(own) or self.sharded):
             return None
-        return TokenBatch(local, self.tok.pad_token_id, self.device, share, temperature)
+        return TokenBatch(local, self.tok.pad_token_id, self.device, share, temperature,
+                          self.cfg.packing, self.cfg.max_tokens_per_micro_batch)
 
     def _sample_table(self, exp, adv: torch.Tensor, mask: torch.Tensor, step: int
                       ) -> list[dict] | None:

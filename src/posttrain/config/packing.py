@@ -1,0 +1,29 @@
+"""The keys of padding-free packing (``--packing``; docs/scaling.md), one declaration for
+every trainer that takes them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from posttrain.config.errors import check
+
+
+@dataclass
+class PackingFields:
+    packing: bool = False
+    """Padding-free micro-batches: a micro-batch's sequences one after another in rows of
+    at most max_tokens_per_micro_batch tokens, positions restarting per sequence (the
+    model's attention keeps each to itself; a preference pair's two in one row); loss and
+    metrics as padded, less the padding's compute and memory (docs/scaling.md)."""
+    max_tokens_per_micro_batch: int | None = None
+    """packing: the most tokens a packed row holds (None: a micro-batch is one row; a
+    longer sequence, or pair, has a row of its own)."""
+
+    def _check_packing(self) -> None:
+        if not self.packing:
+            self.refuse(("max_tokens_per_micro_batch",), f"{self.COMMAND} without --packing "
+                        "true")
+        check(self.max_tokens_per_micro_batch is None or self.max_tokens_per_micro_batch >= 1,
+              "max_tokens_per_micro_batch must be ≥ 1")
+        check(not (self.packing and getattr(self, "share_prompt", None)), "packing and "
+              "share_prompt are two layouts of the same sequences: choose one")
