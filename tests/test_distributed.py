@@ -77,7 +77,10 @@ def _rl_args(name: str, out: Path, *extra: str) -> list[str]:
 
 # offline runs with LoRA adapters: DPO's reference is the policy with its adapter off
 OFFLINE = {"sft": ("sft", []), "rm": ("rm", []), "dpo": ("dpo", []),
-           "dpo_lora": ("dpo", ["--lora_rank", "4"])}
+           "dpo_lora": ("dpo", ["--lora_rank", "4"]),
+           # packed rows, each rank's share of a micro-batch balanced by tokens
+           "sft_packed": ("sft", ["--packing", "true"]),
+           "dpo_packed": ("dpo", ["--packing", "true", "--max_tokens_per_micro_batch", "64"])}
 
 
 def _run(command: str, model: str, out: Path, ranks: int, *extra: str) -> None:

@@ -282,3 +282,23 @@ def test_rl_runs_train_packed(command, tmp_path):
                  "--device", "cpu", "--tensorboard", "false", "--output_dir", str(out)]) == 0
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert max(r.get("step", 0) for r in rows if "train/loss" in r) == 2
+
+
+def test_shares_balanced_by_tokens(monkeypatch):
+    """Each rank's share of a micro-batch by cost: the costliest first to the least loaded
+    rank; every item exactly once over the ranks, loads within the largest item of each
+    other, none empty, the same assignment on every rank."""
+    from posttrain import dist
+
+    costs = [3, 120, 5, 7, 64, 9, 1, 30]
+    items = list(range(len(costs)))
+    monkeypatch.setattr(dist, "world_size", lambda: 2)
+    shares = []
+    for r in (0, 1):
+        monkeypatch.setattr(dist, "rank", lambda r=r: r)
+        shares.append(dist.shard_by_cost(items, costs))
+    assert sorted(shares[0] + shares[1]) == items and all(shares)
+    loads = [sum(costs[i] for i in s) for s in shares]
+    assert abs(loads[0] - loads[1]) <= max(costs)
+    assert shares[0] == sorted(shares[0])  # (in their order)
+    assert shares[0] == [1] and loads == [120, 119]  # (by hand: 120 alone outweighs the rest)

@@ -172,6 +172,19 @@ def shard(items: list) -> list:
     return items[rank()::world_size()]
 
 
+def shard_by_cost(items: list, costs: list[float]) -> list:
+    """This rank's share of ``items`` balanced by ``costs`` (tokens, say) rather than by
+    count, so that the ranks finish together: the costliest first, each to the rank with the
+    least so far (ties: the lowest rank), then in their order. Every rank computes the same
+    assignment; with at least as many items as ranks none is left empty."""
+    ranks, load = world_size(), [0.0] * world_size()
+    owner = [0] * len(items)
+    for i in sorted(range(len(items)), key=lambda i: (-costs[i], i)):
+        r = min(range(ranks), key=lambda r: (load[r], r))
+        owner[i], load[r] = r, load[r] + costs[i]
+    return [x for x, r in zip(items, owner, strict=True) if r == rank()]
+
+
 def close() -> None:
     """Leave the process group: once every rank is done, and after freeing what still holds
     its work (sharded models sit in reference cycles; a gloo work object left for the

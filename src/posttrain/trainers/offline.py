@@ -153,7 +153,7 @@ class OfflineJob(Job):
         a single process computes."""
         cfg = self.cfg
         self.model.train()
-        micro = [self.to_device(self.collate(dist.shard([self.train_examples[next(self.stream)]
+        micro = [self.to_device(self.collate(self._mine([self.train_examples[next(self.stream)]
                                                          for _ in range(cfg.batch_size)])))
                  for _ in range(cfg.grad_accum)]
         step_units, tokens = dist.sum_floats([sum(self.units(b) for b in micro),
@@ -178,6 +178,15 @@ class OfflineJob(Job):
         totals = dist.sum_floats([float(sums[k]) for k in keys])
         return StepResult(dict(zip(keys, totals, strict=True)), step_units,
                           {"train/grad_norm": norm}, tokens=int(tokens))
+
+    def _mine(self, examples: list) -> list:
+        """This rank's share of a micro-batch: every world-th example, or with packing the
+        share balanced by tokens (the ranks' packed rows end up alike, so they finish
+        together; the update is the same: the loss is normalised by the step's units)."""
+        if not self.cfg.packing:
+            return dist.shard(examples)
+        return dist.shard_by_cost(examples, [len(e.prompt) * len(e.completions)
+                                             + sum(map(len, e.completions)) for e in examples])
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
