@@ -399,11 +399,16 @@ def test_an_agent_past_its_timeout_is_abandoned_not_waited_for():
         release.set()
 
 
-def test_many_episodes_are_answered_in_batches_with_the_episode_loops_seeds():
-    """8 episodes in flight: each batch holds requests of several episodes; request ``r`` of
-    sample ``j`` of a row is seeded as the episode loop seeds turn ``r``; an async agent
-    works the same way."""
+def test_many_episodes_are_answered_in_batches_with_the_episode_loops_seeds(monkeypatch):
+    """4 episodes in flight: with the arrival window out of the way a batch is sampled once
+    every running episode waits, so each turn is one batch of all 4 (no clock decides it);
+    request ``r`` of sample ``j`` of a row is seeded as the episode loop seeds turn ``r``;
+    an async agent works the same way."""
+    from posttrain.agents import runner
     from posttrain.rollout.types import sample_seed, stream_seed
+
+    monkeypatch.setattr(runner, "WINDOW_S", 600.0)
+    monkeypatch.setattr(runner, "MAX_WAIT_S", 600.0)
 
     tok = merging_tokenizer()
     barrier = threading.Barrier(4, timeout=60)
@@ -422,7 +427,7 @@ def test_many_episodes_are_answered_in_batches_with_the_episode_loops_seeds():
     eps = run(make_hub(tok, agent, concurrency=4), engine, [{"q": 1}, {"q": 2}], n=2,
               seeds=[11, 12])
     assert eps.valid.all() and eps.rollout.stats["requests"].tolist() == [2.0] * 4
-    assert max(len(b) for b in engine.batches) > 1  # (several episodes in one batch)
+    assert [len(b) for b in engine.batches] == [4, 4]
     seeds = sorted(r.seed for b in engine.batches for r in b)
     assert seeds == sorted(stream_seed(sample_seed(s, j), "turn", r)
                            for s in (11, 12) for j in range(2) for r in range(2))
