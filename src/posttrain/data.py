@@ -353,8 +353,11 @@ def pack_sequences(prompts: list[list[int]], completions: list[list[int]], pad_i
     row of its own); a shorter row ends in pad ids, a block of their own, off the loss.
     ``together``: groups of sequence indices never split across rows (a preference pair's
     chosen and rejected), laid out in that order; default: each sequence alone, in order."""
-    padded = pad_sequences(prompts, completions, pad_id, trained)
-    lengths = padded["attention_mask"].sum(-1).tolist()
+    seqs = [p + c for p, c in zip(prompts, completions, strict=True)]
+    lengths = [len(x) for x in seqs]
+    losses = [[0] * len(p) + list(t or []) + [1] * (len(c) - len(t or []))  # (as padded)
+              for p, c, t in zip(prompts, completions, trained or [None] * len(prompts),
+                                 strict=True)]
     groups = together if together is not None else [[i] for i in range(len(lengths))]
     rows: list[list[int]] = []
     used = 0
@@ -374,8 +377,8 @@ def pack_sequences(prompts: list[list[int]], completions: list[list[int]], pad_i
         at = 0
         for i in row:
             n = lengths[i]
-            out["input_ids"][r, at:at + n] = padded["input_ids"][i, :n]
-            out["loss_mask"][r, at:at + n] = padded["loss_mask"][i, :n]
+            out["input_ids"][r, at:at + n] = torch.tensor(seqs[i], dtype=torch.long)
+            out["loss_mask"][r, at:at + n] = torch.tensor(losses[i], dtype=torch.long)
             out["position_ids"][r, at:at + n] = torch.arange(n)
             out["sequence_ids"][r, at:at + n] = i
             out["ends"][i] = torch.tensor([r, at + n - 1])
