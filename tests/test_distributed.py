@@ -115,11 +115,11 @@ def runs(tiny_model_dir, tmp_path_factory):
     serve the DDP and the FSDP comparisons."""
     done: dict[tuple, Path] = {}
 
-    def get(name: str, ranks: int, parallel: str = "ddp") -> Path:
-        key = (name, ranks, parallel)
+    def get(name: str, ranks: int, parallel: str = "ddp", *extra: str) -> Path:
+        key = (name, ranks, parallel, *extra)
         if key not in done:
             out = tmp_path_factory.mktemp(f"{name}-{ranks}-{parallel}")
-            _run(name, tiny_model_dir, out, ranks, "--parallel", parallel)
+            _run(name, tiny_model_dir, out, ranks, "--parallel", parallel, *extra)
             done[key] = out
         return done[key]
 
@@ -141,6 +141,26 @@ def test_two_ranks_compute_the_update_of_one(command, parallel, runs):
     config = "adapter_config.json" if command.endswith("lora") else "config.json"
     assert (json.loads((two / "final" / config).read_text()).get("architectures")
             == json.loads((one / "final" / config).read_text()).get("architectures"))
+    rows_a, rows_b = _rows(one), _rows(two)
+    assert [r["step"] for r in rows_a] == [r["step"] for r in rows_b]
+    for x, y in zip(rows_a, rows_b, strict=True):
+        for key in ("train/loss", "train/grad_norm", "eval/loss"):
+            if key in x:
+                assert y[key] == pytest.approx(x[key], rel=1e-5), key
+
+
+@pytest.mark.parametrize(("command", "parallel"), [
+    ("sft", "ddp"), ("rm", "ddp"), ("dpo_lora", "ddp"), ("sft_packed", "fsdp"), ("dpo", "fsdp")])
+def test_two_ranks_splitting_each_sequence_compute_the_update_of_one(command, parallel, runs):
+    """--context_parallel 2 on 2 ranks: one data replica whose every sequence (padded,
+    packed, a preference pair's two) is split over both ranks computes the single process's
+    update: final weights within 1e-5, losses and gradient norms to float32 rounding at every
+    step, with the whole model on each rank or FSDP2's shards, and with LoRA."""
+    one, two = runs(command, 1), runs(command, 2, parallel, "--context_parallel", "2")
+    a, b = _weights(one), _weights(two)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-5)
     rows_a, rows_b = _rows(one), _rows(two)
     assert [r["step"] for r in rows_a] == [r["step"] for r in rows_b]
     for x, y in zip(rows_a, rows_b, strict=True):

@@ -13,6 +13,13 @@ each rank samples and scores whole prompt groups, the step's samples are gathere
 every rank holds the same experience (scores, masks, advantages, every decision), each
 rank runs the passes and the backward of its own samples, and the gradients are summed.
 Sharding the models (``parallel=fsdp``) is :mod:`posttrain.sharding`'s.
+
+Context parallelism (``--context_parallel k``, :mod:`posttrain.models.context_parallel`)
+splits the world into groups of k consecutive ranks that hold the same data and split each
+sequence's tokens among them: the data-parallel world is then ``world_size // k`` replicas
+(:func:`data_rank`, :func:`data_world`), and a sum of values every rank of a group holds
+alike counts each group once (:func:`data_sum`). Gradients are still summed over every rank:
+a group's ranks each hold the part of the gradient that flows through their own tokens.
 """
 
 from __future__ import annotations
@@ -55,6 +62,66 @@ def rank() -> int:
     import torch.distributed as td
 
     return td.get_rank() if td.is_available() and td.is_initialized() else 0
+
+
+_CONTEXT: dict = {"size": 1, "group": None}
+"""This process's context-parallel group (:func:`set_context`): its size and the
+``torch.distributed`` group of its ranks (None for a size of 1)."""
+
+
+def set_context(k: int) -> None:
+    """Split the world into context-parallel groups of ``k`` consecutive ranks (every rank
+    calls it, once, after :func:`init`); ``k`` must divide the world size."""
+    world = world_size()
+    if k < 1 or world % k:
+        from posttrain.config import ConfigError
+
+        raise ConfigError(f"context_parallel {k} must divide the {world} ranks (launch with "
+                          f"torchrun --nproc_per_node a multiple of {k})")
+    _CONTEXT.update(size=k, group=None)
+    if k == 1:
+        return
+    import torch.distributed as td
+
+    for first in range(0, world, k):  # every rank makes every group, in the same order
+        group = td.new_group(list(range(first, first + k)), backend="gloo"
+                             if td.get_backend() == "gloo" else None)
+        if first <= rank() < first + k:
+            _CONTEXT["group"] = group
+
+
+def context_size() -> int:
+    """Ranks that split each sequence (``--context_parallel``; 1: none)."""
+    return _CONTEXT["size"]
+
+
+def context_group():
+    """The ``torch.distributed`` group of this rank's context-parallel group (None when
+    :func:`context_size` is 1)."""
+    return _CONTEXT["group"]
+
+
+def context_rank() -> int:
+    """This rank's place in its context-parallel group (which part of a sequence it holds)."""
+    return rank() % context_size()
+
+
+def data_world() -> int:
+    """Data-parallel replicas: the ranks that hold different data (the world without
+    context parallelism)."""
+    return world_size() // context_size()
+
+
+def data_rank() -> int:
+    """This rank's data-parallel replica: which share of the data it holds."""
+    return rank() // context_size()
+
+
+def data_sum(values: list[float]) -> list[float]:
+    """``values`` that every rank of a context-parallel group holds alike, summed over the
+    data-parallel replicas (:func:`sum_floats` counting each group once)."""
+    own = context_rank() == 0  # one rank of each group speaks for it: the sum stays exact
+    return sum_floats([float(v) if own else 0.0 for v in values])
 
 
 def is_main() -> bool:
@@ -168,8 +235,9 @@ def assemble(local: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def shard(items: list) -> list:
-    """This rank's share of ``items``: every ``world_size``-th one from ``rank``."""
-    return items[rank()::world_size()]
+    """This rank's share of ``items``: every :func:`data_world`-th one from
+    :func:`data_rank` (the ranks of a context-parallel group share one)."""
+    return items[data_rank()::data_world()]
 
 
 def shard_by_cost(items: list, costs: list[float]) -> list:
@@ -177,12 +245,12 @@ def shard_by_cost(items: list, costs: list[float]) -> list:
     count, so that the ranks finish together: the costliest first, each to the rank with the
     least so far (ties: the lowest rank), then in their order. Every rank computes the same
     assignment; with at least as many items as ranks none is left empty."""
-    ranks, load = world_size(), [0.0] * world_size()
+    ranks, load = data_world(), [0.0] * data_world()
     owner = [0] * len(items)
     for i in sorted(range(len(items)), key=lambda i: (-costs[i], i)):
         r = min(range(ranks), key=lambda r: (load[r], r))
         owner[i], load[r] = r, load[r] + costs[i]
-    return [x for x, r in zip(items, owner, strict=True) if r == rank()]
+    return [x for x, r in zip(items, owner, strict=True) if r == data_rank()]
 
 
 def close() -> None:

@@ -135,6 +135,11 @@ class RunConfig:
     layer gathered while it runs; docs/scaling.md). Batch sizes are global either way."""
     cpu_offload: bool = False
     """With parallel=fsdp: keep the shards, gradients and optimiser states in host memory."""
+    context_parallel: int = 1
+    """Under torchrun: split each sequence's tokens over this many consecutive ranks for the
+    training forward and backward (attention exchanged over heads, Ulysses-style), so a
+    sequence k times longer fits; the world is then data × context (docs/scaling.md). It must
+    divide the ranks and the model's attention heads."""
     overwrite: bool = False
     """Replace a finished run in output_dir (its final/, checkpoints, metrics and config; the
     removed paths are printed); without it such a directory is an error."""
@@ -195,6 +200,10 @@ class RunConfig:
               "bitsandbytes' 4-bit weights here); use parallel=ddp")
         check(self.parallel in ("ddp", "fsdp"), f"parallel must be ddp or fsdp, got "
               f"{self.parallel!r}")
+        check(self.context_parallel >= 1, "context_parallel must be ≥ 1")
+        check(self.context_parallel == 1 or not getattr(self, "share_prompt", None),
+              "context_parallel splits whole sequences; the shared-prompt layout is not "
+              "split: leave share_prompt off")
         check(not self.cpu_offload or self.parallel == "fsdp",
               "cpu_offload needs parallel=fsdp (it offloads FSDP's shards)")
         check(not (self.cpu_offload and self.device == "cpu"),

@@ -8,6 +8,7 @@ import types
 from transformers import PreTrainedModel
 
 from posttrain.models import backbone, cache_kwarg
+from posttrain.models.context_parallel import NAME as CONTEXT_PARALLEL
 
 # On the CPU, for a short key length the model's eager attention (two matmuls and a softmax)
 # is faster than SDPA's CPU kernel, whose fixed cost per call dominates there; for long ones
@@ -20,7 +21,8 @@ def attention_for_keys(model: PreTrainedModel, keys: int) -> str:
     uses on a model prepared by :func:`eager_attention_for_short_inputs`: ``eager`` up to
     :data:`EAGER_ATTENTION_MAX_KEYS` while the model is on the CPU, else ``sdpa``. Other
     models are left as they are."""
-    if not getattr(model, "_posttrain_short_eager", False):
+    if not getattr(model, "_posttrain_short_eager", False) \
+            or model.config._attn_implementation == CONTEXT_PARALLEL:  # a split forward's own
         return model.config._attn_implementation
     on_cpu = next(model.parameters()).device.type == "cpu"  # it may have moved since
     impl = "eager" if on_cpu and keys <= EAGER_ATTENTION_MAX_KEYS else "sdpa"

@@ -15,6 +15,7 @@ from transformers import PreTrainedModel
 
 from posttrain.core import token_entropy, token_logprobs
 from posttrain.core.logprobs import head_logit_transform, head_token_logprobs
+from posttrain.models import context_parallel
 from posttrain.models.loading import backbone, for_device
 
 
@@ -122,6 +123,9 @@ def completion_logprobs(model: PreTrainedModel, input_ids: torch.Tensor,
     ``position_ids`` (with ``attention_mask`` None): packed rows, each sequence's positions
     from 0 (:func:`posttrain.data.pack_sequences`); the model keeps each to itself.
     """
+    if context_parallel.active(model):
+        return _split_logprobs(model, input_ids, attention_mask, loss_mask, with_entropy,
+                               temperature, position_ids)
     target = loss_mask[:, 1:].bool()  # (B, T-1)
     labels = input_ids[:, 1:][target]  # (N,)
     if has_plain_head(model):
@@ -131,6 +135,28 @@ def completion_logprobs(model: PreTrainedModel, input_ids: torch.Tensor,
         logits = model(input_ids=input_ids, attention_mask=attention_mask,
                        position_ids=position_ids, use_cache=False).logits[:, :-1][target]
     return scatter_logprobs(tempered(logits, temperature), labels, target, with_entropy)
+
+
+def _split_logprobs(model, input_ids, attention_mask, loss_mask, with_entropy, temperature,
+                    position_ids):
+    """:func:`completion_logprobs` of a context-parallel model: this rank's columns through
+    the model and the head, then every rank's log-probs (and entropies) gathered."""
+    if has_plain_head(model):
+        hidden, split = context_parallel.backbone_hidden(model, input_ids, attention_mask,
+                                                         position_ids)
+    else:
+        logits, split = context_parallel.model_logits(model, input_ids, attention_mask,
+                                                      position_ids)
+    # column t predicts token t+1: the targets and labels shifted, padded like the ids
+    target = split.local(loss_mask[:, 1:].bool(), False)  # (B, n)
+    labels = split.local(input_ids[:, 1:])[target]
+    if has_plain_head(model):
+        out = head_logprobs(model, hidden[target], labels, target, with_entropy, temperature)
+    else:
+        out = scatter_logprobs(tempered(logits[target], temperature), labels, target,
+                               with_entropy)
+    out = tuple(split.gather(x)[:, :-1] for x in (out if with_entropy else (out,)))
+    return out if with_entropy else out[0]
 
 
 def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -144,6 +170,10 @@ def completion_hidden(model: PreTrainedModel, input_ids: torch.Tensor,
     ``(N, H)`` in row-major order of ``loss_mask[:, 1:]``: what an LM head turns into
     log-probs and a critic's value head into values ``V(x, y_<t)`` (``position_ids``: as
     for :func:`completion_logprobs`)."""
+    if context_parallel.active(model):  # every rank's columns (the backward keeps its own)
+        hidden, split = context_parallel.backbone_hidden(model, input_ids, attention_mask,
+                                                         position_ids)
+        return split.gather(hidden)[:, :-1][loss_mask[:, 1:].bool()]
     hidden = backbone(model)(input_ids=input_ids, attention_mask=attention_mask,
                               position_ids=position_ids,
                               use_cache=False).last_hidden_state  # (B, T, H)
@@ -175,6 +205,16 @@ def sequence_scores(model: PreTrainedModel, input_ids: torch.Tensor,
         positions = torch.arange(T, device=attention_mask.device)
         last = torch.where(attention_mask.bool(), positions, -1).amax(dim=1)  # (B,)
         rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+    if isinstance(head, torch.nn.Module) and context_parallel.active(model):
+        hidden, split = context_parallel.backbone_hidden(model, input_ids, attention_mask,
+                                                         position_ids)
+        mine = (last >= split.lo) & (last < split.hi)  # the sequences that end in my columns
+        local = head(hidden[rows[mine], last[mine] - split.lo]).squeeze(-1).float()
+        scores = torch.zeros(len(rows), dtype=local.dtype, device=local.device)
+        return context_parallel.shared_sum(scores.masked_scatter(mine, local))
+    if context_parallel.active(model):
+        raise ValueError(f"context parallelism needs a `score` head; {type(model).__name__} "
+                         "has none")
     if isinstance(head, torch.nn.Module):
         hidden = backbone(model)(input_ids=input_ids, attention_mask=attention_mask,
                                   position_ids=position_ids, use_cache=False).last_hidden_state

@@ -18,6 +18,7 @@ from posttrain.builtin import task as builtin_task
 from posttrain.config import ConfigError, DPOConfig, OfflineConfig, RMConfig, SFTConfig
 from posttrain.core import bradley_terry_loss, dpo_loss
 from posttrain.fast.compile import compile_models
+from posttrain.models import context_parallel
 from posttrain.models import (
     completion_logprobs,
     decide_share_prompt,
@@ -114,9 +115,9 @@ class OfflineJob(Job):
         self.device = compute_device(model)
         self.name = cfg.COMMAND
         self.stream = ExampleStream(len(train_examples), cfg.seed)
-        if cfg.batch_size % dist.world_size():
+        if cfg.batch_size % dist.data_world():
             raise ConfigError(f"batch_size {cfg.batch_size} is global: it must be a multiple of "
-                              f"the {dist.world_size()} ranks")
+                              f"the {dist.data_world()} data-parallel ranks")
         self.optimizers = [Optim("model", model, cfg.lr, cfg.weight_decay, cfg.max_grad_norm,
                                  cfg.on_nonfinite, cfg.fast and cfg.sparse_embedding_grad)]
         try:  # mixture-of-experts models: the family's load-balancing loss, if weighted
@@ -156,7 +157,7 @@ class OfflineJob(Job):
         micro = [self.to_device(self.collate(self._mine([self.train_examples[next(self.stream)]
                                                          for _ in range(cfg.batch_size)])))
                  for _ in range(cfg.grad_accum)]
-        step_units, tokens = dist.sum_floats([sum(self.units(b) for b in micro),
+        step_units, tokens = dist.data_sum([sum(self.units(b) for b in micro),
                                               sum(_completion_tokens(b) for b in micro)])
         sums: dict[str, torch.Tensor] = {}
         for batch in micro:
@@ -175,7 +176,7 @@ class OfflineJob(Job):
                 sums[f"train/{k}"] = sums.get(f"train/{k}", 0.0) + v.detach()
         norm = self.optimizers[0].step()
         keys = sorted(sums)
-        totals = dist.sum_floats([float(sums[k]) for k in keys])
+        totals = dist.data_sum([float(sums[k]) for k in keys])
         return StepResult(dict(zip(keys, totals, strict=True)), step_units,
                           {"train/grad_norm": norm}, tokens=int(tokens))
 
@@ -208,7 +209,7 @@ class OfflineJob(Job):
                 sums[k] = sums.get(k, 0.0) + float(v)
         self.model.train(was_training)
         keys = sorted(sums)
-        *values, total = dist.sum_floats([sums[k] for k in keys] + [total])
+        *values, total = dist.data_sum([sums[k] for k in keys] + [total])
         return {f"eval/{k}": v / max(total, 1) for k, v in zip(keys, values, strict=True)}
 
     def save(self, path: Path, states: dict | None = None) -> None:
@@ -282,8 +283,10 @@ class DPOTrainer(OfflineJob):
             raise ConfigError("router_aux_loss_coef needs share_prompt=false (the shared "
                               "prompt's packed mask hides which tokens the loss counts)")
         # (the auxiliary loss reads each forward's padding: full sequences)
-        self.share_prompt = (False if (self.aux_coef or cfg.packing) and cfg.share_prompt is None
+        self.share_prompt = (False if (self.aux_coef or cfg.packing or cfg.context_parallel > 1)
+                             and cfg.share_prompt is None
                              else decide_share_prompt(cfg.share_prompt, model))
+        context_parallel.enable(self.ref_model)
         if cfg.precompute_ref:
             for examples in (self.train_examples, self.eval_examples):
                 self._cache_reference(examples)

@@ -55,5 +55,9 @@ def load_trained(cfg, resume: Path | None, load, heads: tuple[str, ...] = ()):
 
 def shard_trained(cfg, model):
     """``model`` sharded with FSDP2 under ``parallel=fsdp`` (:mod:`posttrain.sharding`),
-    else as it is; before its optimiser is made."""
+    else as it is; before its optimiser is made. Under ``context_parallel`` its training
+    forwards split each sequence over the group (:mod:`posttrain.models.context_parallel`)."""
+    from posttrain.models import context_parallel
+
+    context_parallel.enable(model)
     return sharding.shard(model, cfg) if cfg.parallel == "fsdp" else model

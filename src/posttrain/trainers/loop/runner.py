@@ -63,6 +63,7 @@ def start_run(cfg) -> Path | None:
 
     fast.prepare_process(cfg)
     dist.init(pick_device(cfg.device), required=cfg.parallel == "fsdp")
+    dist.set_context(getattr(cfg, "context_parallel", 1))
     if not dist.is_main():  # rank 0 alone prints and writes
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 -- for the life of the process
     seed_everything(cfg.seed)

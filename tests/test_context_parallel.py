@@ -1,0 +1,77 @@
+"""Context parallelism (``--context_parallel``): a sequence split over 2 gloo ranks gives the
+log-probs, entropies, hidden states, scores and gradients of the whole sequence in one
+process (float64, every layout: whole rows, an odd length, right and left padding, packed
+rows; multi-head, grouped and single key-value heads); the runs that cannot be split are
+refused in one line. The trainers' 2-rank runs are in tests/test_distributed.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from posttrain import dist
+from posttrain.config import ConfigError
+from posttrain.models import context_parallel
+
+WORKER = Path(__file__).with_name("context_parallel_worker.py")
+
+# The split and the whole computation differ only in the order of float64 sums: SDPA's
+# blocking over a stretch instead of the row, and a gradient summed over 2 ranks instead of
+# accumulated in one. A sum of m terms is off by at most m·eps relative to the sum of the
+# magnitudes; the longest chains here (vocabulary 61, MLP 48, 2 layers forward and backward,
+# 13 columns) stay far below 4096 terms, so 4096·eps of the largest magnitude bounds every
+# difference. A wrong split (a missing exchange, attention past a sequence's end, a gradient
+# counted twice) is off by ~1e-2 or more.
+TOLERANCE = 4096 * torch.finfo(torch.float64).eps
+
+
+@pytest.mark.multiprocess
+def test_a_split_sequence_computes_what_the_whole_one_does(tmp_path):
+    out = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                           "2", "--standalone", str(WORKER), str(out)],
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert len(report) == 15  # 3 head layouts × 5 batch layouts
+    for case, res in report.items():
+        assert res.pop("grad_keys"), case
+        for what, (diff, scale) in res.items():
+            assert scale > 0, (case, what)
+            assert diff <= TOLERANCE * max(scale, 1.0), (case, what, diff, scale)
+
+
+def test_a_model_whose_heads_do_not_split_is_refused(monkeypatch):
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(num_attention_heads=4, num_key_value_heads=4, hidden_size=32)
+    monkeypatch.setitem(dist._CONTEXT, "size", 3)
+    with pytest.raises(ConfigError, match="4 attention heads do not split over 3 ranks"):
+        context_parallel.enable(SimpleNamespace(config=cfg))
+    monkeypatch.setitem(dist._CONTEXT, "size", 2)
+    assert context_parallel.unsupported(cfg) is None
+    cfg.layer_types = ["sliding_attention", "full_attention"]
+    assert "full causal attention only" in context_parallel.unsupported(cfg)
+
+
+def test_context_parallel_must_divide_the_ranks():
+    with pytest.raises(ConfigError, match="context_parallel 2 must divide the 1 ranks"):
+        dist.set_context(2)
+    assert dist.context_size() == 1
+
+
+def test_context_parallel_is_refused_with_a_shared_prompt():
+    from posttrain.config import DPOConfig
+
+    cfg = DPOConfig(context_parallel=2, share_prompt=True)
+    with pytest.raises(ConfigError, match="leave share_prompt off"):
+        cfg.validate()
