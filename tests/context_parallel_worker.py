@@ -13,7 +13,6 @@ from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassifi
 
 from posttrain import dist
 from posttrain.models import completion_hidden, completion_logprobs, sequence_scores
-from posttrain.models import context_parallel
 
 
 def model(cls, heads: int, kv: int, seed: int):
@@ -72,7 +71,7 @@ def compare(lm, rm, ids, mask, pos, loss_mask, gen) -> dict:
     if pos is not None:  # each packed sequence's row and last column
         starts = (pos == 0).nonzero().tolist()
         ends = []
-        for i, (r, c) in enumerate(starts):
+        for i, (r, _) in enumerate(starts):
             nxt = starts[i + 1] if i + 1 < len(starts) else None
             ends.append((r, (nxt[1] if nxt and nxt[0] == r else ids.shape[1]) - 1))
         ends = torch.tensor(ends)

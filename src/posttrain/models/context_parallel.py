@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
+from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
@@ -122,7 +123,7 @@ class Split:
         self.runs: list[list[tuple[int, int]]] = []
         for b in range(B):
             edges = [0, *(torch.nonzero(cut[b]).flatten() + 1).tolist(), self.padded]
-            self.runs.append([(s, e) for s, e in zip(edges[:-1], edges[1:], strict=True)
+            self.runs.append([(s, e) for s, e in pairwise(edges)
                               if bool(valid[b, s])])
         self.whole = all(r == [(0, self.padded)] for r in self.runs)
         self.ids, self.pos = ids[:, self.lo:self.hi], pos[:, self.lo:self.hi]

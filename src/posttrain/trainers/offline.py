@@ -18,9 +18,9 @@ from posttrain.builtin import task as builtin_task
 from posttrain.config import ConfigError, DPOConfig, OfflineConfig, RMConfig, SFTConfig
 from posttrain.core import bradley_terry_loss, dpo_loss
 from posttrain.fast.compile import compile_models
-from posttrain.models import context_parallel
 from posttrain.models import (
     completion_logprobs,
+    context_parallel,
     decide_share_prompt,
     load_reward_model,
     load_tokenizer,
