@@ -54,6 +54,9 @@ RL = {
     "async_episodes": ["--env", "builtin", "--prompts_per_step", "3", "--group_size", "4",
                        "--max_new_tokens", "6", "--async_staleness", "1",
                        "--async_producer", "thread", "--algo", "dapo"],
+    # on-policy distillation from the built-in episodes model (context parallel only)
+    "distill": ["--teacher", "builtin-episodes", "--prompts_per_step", "3", "--group_size", "2",
+                "--max_new_tokens", "8"],
 }
 RL_ARGS = ["--lr", "1e-5", "--max_steps", "4", "--builtin_train_size", "32",
            "--builtin_eval_size", "5", "--eval_every", "2", "--log_every", "1", "--device",
@@ -66,10 +69,10 @@ def _launch(ranks: int) -> list[str]:
 
 
 def _rl_args(name: str, out: Path, *extra: str) -> list[str]:
-    command = "ppo" if name == "ppo" else "grpo"
+    command = name if name in ("ppo", "distill") else "grpo"
     algo = [] if name == "ppo" else ["--algo", "grpo" if name in ("lora", "episodes",
                                                                   "async", "agents") else name]
-    if name == "async_episodes":
+    if name in ("async_episodes", "distill"):
         algo = []  # (its own: dapo, whose dynamic sampling gathers on the producer's group)
     return [command, "--model", "builtin", *algo, *RL_ARGS, *RL[name], "--output_dir",
             str(out), *extra]
@@ -186,14 +189,30 @@ def _assert_adapters_agree(a: dict, b: dict, lr: float = 1e-3, steps: int = 4) -
 
 
 @pytest.mark.parametrize(("name", "parallel"), [
-    (name, parallel) for name in sorted(RL) for parallel in ("ddp", "fsdp")])
+    (name, parallel) for name in sorted(RL) if name != "distill" for parallel in ("ddp", "fsdp")])
 def test_two_ranks_compute_the_on_policy_update_of_one(name, parallel, runs):
     """Each rank samples its own prompt groups (3 prompts on 2 ranks: 2 and 1); with the
     sampling draws fixed by (seed, step, slot), the same completions are drawn, so every
     reward, dynamic-sampling decision and count agrees exactly with the single process,
     the final weights (and PPO's critic) within 1e-5, and the float metrics to rounding.
     Under fsdp the sampler is a plain copy refreshed from the shards after every step."""
-    one, two = runs(name, 1), runs(name, 2, parallel)
+    _assert_on_policy_runs_agree(name, runs(name, 1), runs(name, 2, parallel))
+
+
+@pytest.mark.parametrize(("name", "parallel", "extra"), [
+    ("grpo", "ddp", ("--packing", "true")), ("ppo", "ddp", ()), ("lora", "ddp", ()),
+    ("episodes", "fsdp", ()), ("distill", "ddp", ())])
+def test_two_ranks_splitting_each_sequence_compute_the_on_policy_update_of_one(
+        name, parallel, extra, runs):
+    """--context_parallel 2: both ranks sample (3 prompts: 2 and 1), then train the whole
+    step's rows together, each sequence's columns split between them (the log-probs,
+    values and divergences gathered): the single process's update and metrics, as above,
+    with packed rows, PPO's critic, LoRA, FSDP2 and on-policy distillation."""
+    _assert_on_policy_runs_agree(name, runs(name, 1, "ddp", *extra),
+                                 runs(name, 2, parallel, "--context_parallel", "2", *extra))
+
+
+def _assert_on_policy_runs_agree(name: str, one: Path, two: Path) -> None:
     a, b = _weights(one), _weights(two)
     assert a.keys() == b.keys()
     if name == "lora":

@@ -222,11 +222,13 @@ def side_group():
 def assemble(local: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
     """The ``(n, ...)`` tensor whose rows ``rows`` are this rank's ``local`` and whose other
     rows come from the ranks that hold them (each row held by one rank): one all-reduce
-    of a zero-filled tensor, exact, since a row's value meets only zeros."""
+    of a zero-filled tensor, exact, since a row's value meets only zeros. The ranks of a
+    context-parallel group hold the same rows: its first rank's count."""
     if world_size() == 1 and len(rows) == n:  # every row is this process's, in order
         return local
     out = local.new_zeros((n, *local.shape[1:]))
-    out[rows.to(out.device)] = local
+    if context_rank() == 0:
+        out[rows.to(out.device)] = local
     if world_size() > 1:
         import torch.distributed as td
 

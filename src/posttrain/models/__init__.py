@@ -24,6 +24,7 @@ from posttrain.models.loading import (
     save_model,
 )
 from posttrain.models.logprobs import (
+    completion_apply,
     completion_hidden,
     completion_logprobs,
     has_plain_head,
@@ -52,6 +53,7 @@ __all__ = [
     "builtin_model_dir",
     "cache_kwarg",
     "check_causal_lm",
+    "completion_apply",
     "completion_hidden",
     "completion_logprobs",
     "decide_share_prompt",

@@ -139,6 +139,15 @@ class Split:
         loss from it)."""
         return _Gather.apply(x, dist.context_group())[:, :self.T]
 
+    def gather_rows(self, values: torch.Tensor, local: torch.Tensor, target: torch.Tensor
+                    ) -> torch.Tensor:
+        """Per-position ``values`` ``(N_local, ...)`` at this rank's positions ``local``
+        ``(B, n)`` → ``(N, ...)`` at every rank's, in row-major order of ``target``
+        ``(B, T-1)`` (column t: the position that predicts token t+1)."""
+        grid = values.new_zeros((*local.shape, *values.shape[1:]))
+        grid = grid.index_put(tuple(local.nonzero().t()), values)
+        return self.gather(grid)[:, :-1][target]
+
 
 @contextmanager
 def running(model, split: Split):

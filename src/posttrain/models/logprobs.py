@@ -169,7 +169,9 @@ def completion_hidden(model: PreTrainedModel, input_ids: torch.Tensor,
     """Last hidden states at the positions that predict the tokens ``loss_mask`` marks,
     ``(N, H)`` in row-major order of ``loss_mask[:, 1:]``: what an LM head turns into
     log-probs and a critic's value head into values ``V(x, y_<t)`` (``position_ids``: as
-    for :func:`completion_logprobs`)."""
+    for :func:`completion_logprobs`). Context-parallel: every rank's rows, gathered (the
+    backward keeps this rank's columns' gradient); a head with parameters goes through
+    :func:`completion_apply` instead.)"""
     if context_parallel.active(model):  # every rank's columns (the backward keeps its own)
         hidden, split = context_parallel.backbone_hidden(model, input_ids, attention_mask,
                                                          position_ids)
@@ -178,6 +180,21 @@ def completion_hidden(model: PreTrainedModel, input_ids: torch.Tensor,
                               position_ids=position_ids,
                               use_cache=False).last_hidden_state  # (B, T, H)
     return hidden[:, :-1][loss_mask[:, 1:].bool()]
+
+def completion_apply(model: PreTrainedModel, input_ids: torch.Tensor,
+                     attention_mask: torch.Tensor | None, loss_mask: torch.Tensor, fn,
+                     position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """``fn`` (a head: ``(N, H)`` hidden states → ``(N, ...)``) applied to
+    :func:`completion_hidden`'s rows. Context-parallel, each rank applies ``fn`` to its own
+    columns' rows and the results are gathered, so the head's parameters get each token's
+    gradient once (applied to gathered hidden states, every rank would add all of it)."""
+    if context_parallel.active(model):
+        hidden, split = context_parallel.backbone_hidden(model, input_ids, attention_mask,
+                                                         position_ids)
+        local = split.local(loss_mask[:, 1:].bool(), False)
+        return split.gather_rows(fn(hidden[local]), local, loss_mask[:, 1:].bool())
+    return fn(completion_hidden(model, input_ids, attention_mask, loss_mask, position_ids))
+
 
 def value_head(model: PreTrainedModel) -> torch.nn.Module:
     """The scalar head of a reward or critic model (``*ForSequenceClassification.score``)."""

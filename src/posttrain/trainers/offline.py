@@ -124,6 +124,9 @@ class OfflineJob(Job):
             self.aux_coef = routing.aux_coef(model, cfg.router_aux_loss_coef)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if self.aux_coef and dist.context_size() > 1:
+            raise ConfigError("router_aux_loss_coef with context_parallel is not supported yet "
+                              "(the load-balancing loss counts each forward's own tokens)")
 
     # --- what a subclass provides ------------------------------------------------------------
     def collate(self, examples: list) -> dict:

@@ -14,7 +14,7 @@ import torch
 
 from posttrain import data as data_mod
 from posttrain.models import (
-    completion_hidden,
+    completion_apply,
     completion_logprobs,
     packing_pays,
     shared_prompt_hidden,
@@ -184,14 +184,18 @@ class TokenBatch:
         if self.share:
             args, kw = self._shared(critic, rows)
             hidden = shared_prompt_hidden(critic, *args, **kw)
-        elif self.packing:  # (packed in row order: the completions' tokens in order)
-            packed = self._pack(rows)[0]
-            hidden = completion_hidden(critic, packed["input_ids"], None, packed["loss_mask"],
-                                       packed["position_ids"])
+            v = value_head(critic)(hidden).squeeze(-1).float()  # (N,)
         else:
-            hidden = completion_hidden(critic, self.full["input_ids"][rows],
-                                       self.full["attention_mask"][rows],
-                                       self.full["loss_mask"][rows])
-        v = value_head(critic)(hidden).squeeze(-1).float()  # (N,)
+            def head(h):
+                return value_head(critic)(h).squeeze(-1).float()
+
+            if self.packing:  # (packed in row order: the completions' tokens in order)
+                packed = self._pack(rows)[0]
+                v = completion_apply(critic, packed["input_ids"], None, packed["loss_mask"],
+                                     head, packed["position_ids"])
+            else:
+                v = completion_apply(critic, self.full["input_ids"][rows],
+                                     self.full["attention_mask"][rows],
+                                     self.full["loss_mask"][rows], head)
         target = mask.bool()
         return torch.zeros(target.shape, dtype=v.dtype, device=v.device).masked_scatter(target, v)

@@ -21,7 +21,13 @@ from posttrain.config import ConfigError
 from posttrain.config.distill import DistillConfig
 from posttrain.core.algorithms import PolicyInputs, compute_advantages, policy_objective
 from posttrain.core.distill import distill_token_loss
-from posttrain.models import completion_hidden, has_plain_head, head_logits, load_tokenizer
+from posttrain.models import (
+    completion_hidden,
+    context_parallel,
+    has_plain_head,
+    head_logits,
+    load_tokenizer,
+)
 from posttrain.models.loading import for_device
 from posttrain.models.logprobs import FUSED_HEAD_MIN_ELEMENTS, tempered
 from posttrain.trainers import trained
@@ -54,6 +60,11 @@ class DistillTrainer(RLTrainer):
                               f"student's {sizes[0]}: the two distributions must cover "
                               "the same tokens")
         fast.prepare_model(self.teacher, cfg.fast)
+        if dist.context_size() > 1 and not (has_plain_head(self.policy)
+                                            and has_plain_head(self.teacher)):
+            raise ConfigError("context_parallel distills from hidden states split by columns: "
+                              "the student and the teacher need plain output embeddings")
+        context_parallel.enable(self.teacher)
 
     def step(self, step: int) -> StepResult:
         cfg = self.cfg
@@ -89,13 +100,15 @@ class DistillTrainer(RLTrainer):
                 n_steps += 1
         # every rank's divergence per token (each rank filled its own rows)
         if dist.world_size() > 1:
+            if dist.context_rank() != 0:  # (a context-parallel group's ranks: the same rows)
+                div_tok.zero_()
             dist.sum_flat(div_tok)
         t_update = time.perf_counter()
         checked = self._publish(tokens, n_steps, step)
         ro = exp.rollout
         record = {
             "distill/divergence": float((div_tok * mask).sum() / mask.sum().clamp(min=1)),
-            "train/loss": dist.sum_floats([loss_sum])[0] / max(n_steps, 1),
+            "train/loss": dist.data_sum([loss_sum])[0] / max(n_steps, 1),
             **sample_metrics(exp),
             "optim/steps": n_steps,
             "time/generate_s": exp.generate_s, "time/update_s": t_update - t0,
@@ -161,9 +174,22 @@ class DistillTrainer(RLTrainer):
             student = self.policy(input_ids=ids, attention_mask=attn, use_cache=False
                                   ).logits[:, :-1][target[:, 1:].bool()]
             return self._chunk(student, teacher, labels)
+        if context_parallel.active(self.policy):  # each rank its own columns' tokens
+            with torch.no_grad():
+                h_teacher, split = context_parallel.backbone_hidden(self.teacher, ids, attn)
+            h_student, split = context_parallel.backbone_hidden(self.policy, ids, attn)
+            local = split.local(target[:, 1:].bool(), False)
+            div, lp = self._heads(h_student[local], h_teacher[local],
+                                  split.local(ids[:, 1:])[local])
+            return tuple(split.gather_rows(x, local, target[:, 1:].bool()) for x in (div, lp))
         with torch.no_grad():
             h_teacher = completion_hidden(self.teacher, ids, attn, target)
         h_student = completion_hidden(self.policy, ids, attn, target)
+        return self._heads(h_student, h_teacher, labels)
+
+    def _heads(self, h_student: torch.Tensor, h_teacher: torch.Tensor, labels: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_per_token` from the two models' hidden states at the tokens ``labels``."""
         n, V = len(labels), self.policy.get_output_embeddings().weight.shape[0]
         # sharded: one call of each head per micro-batch, as the RL trainer's log-probs
         # (every rank must make the same FSDP calls, and the token counts differ by rank)

@@ -44,6 +44,7 @@ from posttrain.fast import eligibility
 from posttrain.fast.cache import track_policy_version
 from posttrain.fast.compile import compile_models
 from posttrain.models import (
+    context_parallel,
     decide_share_prompt,
     load_tokenizer,
     lora,
@@ -87,14 +88,22 @@ class RLTrainer(Job):
         self.policy = trained.load_trained(cfg, resume, lambda name: trained.load_policy(
             cfg, name, trained=True))
         self.sharded = cfg.parallel == "fsdp"
+        self.dealt = self.sharded or dist.context_size() > 1
+        """Each rank trains rows dealt from the whole step's samples (by data-parallel
+        rank), not the rows it sampled: sharded (any rank computes any row), or under
+        context parallelism (a group's ranks train the same rows, split by columns)."""
         self.device = compute_device(self.policy)
         self.moe = routing.is_moe(self.policy)
         """A mixture-of-experts policy: its passes run whole sequences (the layout routing is
         recorded and replayed in) unless share_prompt is set, and the step logs router/*."""
+        if self.moe and dist.context_size() > 1:
+            raise ConfigError("context_parallel with a mixture-of-experts policy is not "
+                              "supported yet (its routing is recorded per whole sequence)")
         if cfg.routing_replay != "none" and not self.moe:
             raise ConfigError(f"routing_replay={cfg.routing_replay} needs a mixture-of-experts "
                               f"policy; {type(self.policy).__name__} has no router")
-        self.share_prompt = (False if (self.moe or cfg.packing) and cfg.share_prompt is None
+        self.share_prompt = (False if (self.moe or cfg.packing or cfg.context_parallel > 1)
+                             and cfg.share_prompt is None
                              else decide_share_prompt(cfg.share_prompt, self.policy,
                                                       cfg.group_size))
         try:
@@ -108,6 +117,7 @@ class RLTrainer(Job):
         """The frozen reference; None with LoRA (the policy with its adapter off)."""
         if self.algo.needs_reference and not lora.is_adapted(self.policy):
             self.ref = trained.load_policy(cfg, cfg.model).eval().requires_grad_(False)
+            context_parallel.enable(self.ref)
         self.train_rows, self.eval_rows = self._rows()
         # episodes: the environment's turn rewards, plus any reward terms given
         self.rewards = parse_rewards(cfg.reward or ("" if cfg.episodic else "builtin"),
@@ -275,9 +285,10 @@ class RLTrainer(Job):
     def _mine(self, exp) -> tuple:
         """This rank's part of the step: ``(local, own)``, the rollout of its rows and their
         indices in the step's samples (every row in a world of one). Sharded, any rank can
-        compute any sample (nothing is replayed): the rows are dealt out evenly."""
-        if self.sharded:
-            return exp.rollout, torch.arange(len(exp.valid))[dist.rank()::dist.world_size()]
+        compute any sample (nothing is replayed): the rows are dealt out evenly, by
+        data-parallel rank (the ranks of a context-parallel group take the same rows)."""
+        if self.dealt:
+            return exp.rollout, torch.arange(len(exp.valid))[dist.data_rank()::dist.data_world()]
         return exp.local, exp.own
 
     def _token_batch(self, local, own: torch.Tensor, share: bool, temperature: float
@@ -285,7 +296,7 @@ class RLTrainer(Job):
         """This rank's samples as a token batch (all of them in a world of one); every other
         tensor of the step covers the whole step's samples, the same on every rank. None for
         a rank left without rows (it adds nothing to the gradient)."""
-        if not (len(own) or self.sharded):
+        if not (len(own) or self.dealt):
             return None
         return TokenBatch(local, self.tok.pad_token_id, self.device, share, temperature,
                           self.cfg.packing, self.cfg.max_tokens_per_micro_batch)
@@ -305,7 +316,7 @@ class RLTrainer(Job):
         rank's (sharded, the batch holds every row)."""
         local_of = torch.full((len(mask),), -1, dtype=torch.long, device=self.device)
         own = own.to(self.device)
-        local_of[own] = own if self.sharded else torch.arange(len(own), device=self.device)
+        local_of[own] = own if self.dealt else torch.arange(len(own), device=self.device)
         return local_of
 
     def _publish(self, tokens: TokenBatch | None, moved: int, step: int) -> dict[str, float]:
@@ -333,7 +344,7 @@ class RLTrainer(Job):
         # are they, as in the synchronous loop; the behaviour policy enters the correction)
         own = own.to(self.device)
         # the rows of ``tokens`` to compute: sharded, it holds every sample
-        rows = own if self.sharded else torch.arange(len(own), device=self.device)
+        rows = own if self.dealt else torch.arange(len(own), device=self.device)
 
         def whole(model, run):
             if model is None:
@@ -380,7 +391,8 @@ class RLTrainer(Job):
         training reward."""
         if not self.eval_rows:
             return {}
-        rows = dist.shard(self.eval_rows)
+        # every rank its share, context-parallel groups too (sampling is not split)
+        rows = self.eval_rows[dist.rank()::dist.world_size()]
         local = self.side.evaluate(rows)
         n_correct, reward, n_valid = dist.sum_floats(local)
         return {"eval/accuracy": n_correct / len(self.eval_rows),

@@ -198,7 +198,9 @@ def run_updates(policy, critic, algo: Algorithm, tokens: TokenBatch, x: UpdateIn
             for k, v in norm.items():
                 norms[k] = norms.get(k, 0.0) + v
     # each optimiser step's metrics over ranks, then their sum over steps
-    steps = [combine(parts) for parts in zip(*dist.gather_objects(shares), strict=True)]
+    # (a context-parallel group's ranks hold the same shares: its first rank's count)
+    every = dist.gather_objects(shares)[::dist.context_size()]
+    steps = [combine(parts) for parts in zip(*every, strict=True)]
     sums = {}
     for m in steps:
         for k, v in m.items():
