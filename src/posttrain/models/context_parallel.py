@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
+from functools import partial
 from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from posttrain import dist
 
@@ -199,20 +201,35 @@ def _attention(module, query, key, value, attention_mask=None, scaling=None, dro
                **kwargs):
     """The attention of a split forward: ``query`` ``(B, H, n, D)``, ``key``/``value``
     ``(B, Hkv, n, D)`` of this rank's columns; returns ``(B, n, H, D)`` (transformers'
-    layout) and no weights."""
+    layout) and no weights.
+
+    With gradients, the exchanges and the attention are recomputed in the backward
+    (:func:`torch.utils.checkpoint`) rather than kept: kept, the attention's inputs and
+    output in the heads' layout would sit beside the same tensors in the tokens' layout
+    (one process keeps one copy), about 5% more activation memory per rank than a process
+    holding a sequence 1/k as long. The price is one more attention forward and its two
+    exchanges in the backward."""
     split = _STATE.split
     if split is None:
         raise RuntimeError("context-parallel attention outside a split forward")
+    p = dropout if module.training else 0.0
+    core = partial(_exchange_and_attend, split=split, dropout=p, scaling=scaling)
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
+                                    or value.requires_grad):
+        return checkpoint(core, query, key, value, use_reentrant=False), None
+    return core(query, key, value), None
+
+
+def _exchange_and_attend(query, key, value, split: Split, dropout: float, scaling):
     group, k = dist.context_group(), dist.context_size()
     heads = query.shape[1]
     if key.shape[1] % k:  # grouped key-value heads that do not split: one per query head
         key = key.repeat_interleave(heads // key.shape[1], dim=1)
         value = value.repeat_interleave(heads // value.shape[1], dim=1)
     q, kk, vv = (_to_heads(x, group, k) for x in (query, key, value))
-    p = dropout if module.training else 0.0
     gqa = q.shape[1] != kk.shape[1]
     if split.whole:
-        out = F.scaled_dot_product_attention(q, kk, vv, dropout_p=p, is_causal=True,
+        out = F.scaled_dot_product_attention(q, kk, vv, dropout_p=dropout, is_causal=True,
                                              scale=scaling, enable_gqa=gqa)
     else:
         rows = []
@@ -222,32 +239,37 @@ def _attention(module, query, key, value, attention_mask=None, scaling=None, dro
                 if s > at:  # a stretch no valid query reads (padding): zeros
                     parts.append(q.new_zeros(1, q.shape[1], s - at, q.shape[3]))
                 parts.append(F.scaled_dot_product_attention(
-                    q[b:b + 1, :, s:e], kk[b:b + 1, :, s:e], vv[b:b + 1, :, s:e], dropout_p=p,
-                    is_causal=True, scale=scaling, enable_gqa=gqa))
+                    q[b:b + 1, :, s:e], kk[b:b + 1, :, s:e], vv[b:b + 1, :, s:e],
+                    dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa))
                 at = e
             if at < split.padded:
                 parts.append(q.new_zeros(1, q.shape[1], split.padded - at, q.shape[3]))
             rows.append(torch.cat(parts, 2))
         out = torch.cat(rows, 0)
-    return _to_tokens(out, group, k).transpose(1, 2).contiguous(), None
+    return _to_tokens(out, group, k)
 
 
 def _to_heads(x: torch.Tensor, group, k: int) -> torch.Tensor:
     """``(B, H, n, D)`` of this rank's columns → ``(B, H/k, k·n, D)``: every column, this
-    rank's k-th of the heads."""
+    rank's k-th of the heads. Exchanged in the tokens-major layout transformers' projections
+    produce (``(B, n, H, D)`` in memory), so a batch of one row lands in place: the result is
+    a view of the received buffer."""
     B, H, n, D = x.shape
-    parts = x.reshape(B, k, H // k, n, D).transpose(0, 1)  # (k, B, H/k, n, D): part i to rank i
-    got = _AllToAll.apply(parts, group)  # (k, B, H/k, n, D): rank i's columns of my heads
-    return got.permute(1, 2, 0, 3, 4).reshape(B, H // k, k * n, D)
+    h = H // k
+    parts = x.transpose(1, 2).unflatten(2, (k, h)).permute(2, 0, 1, 3, 4)  # (k, B, n, h, D)
+    got = _AllToAll.apply(parts, group)  # (k, B, n, h, D): rank i's columns of my heads
+    full = got.view(k * n, h, D)[None] if B == 1 else got.transpose(0, 1).reshape(B, k * n, h, D)
+    return full.transpose(1, 2)
 
 
 def _to_tokens(x: torch.Tensor, group, k: int) -> torch.Tensor:
-    """The inverse of :func:`_to_heads`: ``(B, H/k, k·n, D)`` → ``(B, H, n, D)``."""
+    """The way back from :func:`_to_heads`' layout: ``(B, H/k, k·n, D)`` → this rank's
+    columns, every head, ``(B, n, H, D)``."""
     B, h, T, D = x.shape
     n = T // k
-    parts = x.reshape(B, h, k, n, D).permute(2, 0, 1, 3, 4)  # (k, B, h, n, D): columns of rank i
-    got = _AllToAll.apply(parts, group)  # (k, B, h, n, D): rank i's heads of my columns
-    return got.transpose(0, 1).reshape(B, k * h, n, D)
+    parts = x.transpose(1, 2).unflatten(1, (k, n)).transpose(0, 1)  # (k, B, n, h, D)
+    got = _AllToAll.apply(parts, group)  # (k, B, n, h, D): rank i's heads of my columns
+    return got.permute(1, 2, 0, 3, 4).reshape(B, n, k * h, D)
 
 
 class _AllToAll(torch.autograd.Function):
