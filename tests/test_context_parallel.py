@@ -61,6 +61,16 @@ def test_a_model_whose_heads_do_not_split_is_refused(monkeypatch):
     assert context_parallel.unsupported(cfg) is None
     cfg.layer_types = ["sliding_attention", "full_attention"]
     assert "full causal attention only" in context_parallel.unsupported(cfg)
+    from transformers import MistralConfig, Qwen2Config
+
+    mistral = MistralConfig(num_attention_heads=4, num_key_value_heads=2, hidden_size=32)
+    assert mistral.sliding_window  # (its default: a window, with no use_sliding_window key)
+    assert "full causal attention only" in context_parallel.unsupported(mistral)
+    mistral.sliding_window = None
+    assert context_parallel.unsupported(mistral) is None
+    qwen = Qwen2Config(num_attention_heads=4, num_key_value_heads=2, hidden_size=32)
+    assert qwen.use_sliding_window is False  # a window given but not used: full attention
+    assert context_parallel.unsupported(qwen) is None
 
 
 def test_context_parallel_must_divide_the_ranks():

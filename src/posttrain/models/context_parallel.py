@@ -59,8 +59,11 @@ def unsupported(config) -> str | None:
                 f"{k} ranks (posttrain splits heads, Ulysses-style; ring attention, which "
                 "would take any head count, is not implemented): pick a k that divides them")
     kinds = set(getattr(config, "layer_types", None) or ())
-    if kinds - {"full_attention"} or getattr(config, "attn_logit_softcapping", None) \
-            or getattr(config, "use_sliding_window", False):
+    # (Mistral, Phi-3, Starcoder2 set sliding_window alone; Qwen2 sets it with
+    # use_sliding_window false, which means full attention)
+    window = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window",
+                                                                 True)
+    if kinds - {"full_attention"} or getattr(config, "attn_logit_softcapping", None) or window:
         return (f"context_parallel: {type(config).__name__} has sliding-window or soft-capped "
                 "attention; context parallelism computes full causal attention only")
     return None
@@ -113,7 +116,8 @@ class Split:
                else torch.arange(T, device=device).expand(B, T))
         extra = self.padded - T  # after every real column: causal attention never reads them
         ids = F.pad(input_ids, (0, extra))
-        pos = torch.cat([pos, pos[:, -1:] + torch.arange(1, extra + 1, device=device)], 1)
+        # (at the last position again: within any model's range of positions)
+        pos = torch.cat([pos, pos[:, -1:].expand(B, extra)], 1)
         valid = (attention_mask.bool() if attention_mask is not None
                  else torch.ones(B, T, dtype=torch.bool, device=device))
         valid = F.pad(valid, (0, extra), value=True)
@@ -212,6 +216,10 @@ def _attention(module, query, key, value, attention_mask=None, scaling=None, dro
     split = _STATE.split
     if split is None:
         raise RuntimeError("context-parallel attention outside a split forward")
+    other = {k for k in ("sliding_window", "softcap", "s_aux") if kwargs.get(k) is not None}
+    if other:  # (enable refuses such models; a family it does not know raises here)
+        raise ValueError(f"context-parallel attention computes plain causal attention; this "
+                         f"layer asks for {', '.join(sorted(other))}")
     p = dropout if module.training else 0.0
     core = partial(_exchange_and_attend, split=split, dropout=p, scaling=scaling)
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
