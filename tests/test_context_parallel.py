@@ -85,3 +85,47 @@ def test_context_parallel_is_refused_with_a_shared_prompt():
     cfg = DPOConfig(context_parallel=2, share_prompt=True)
     with pytest.raises(ConfigError, match="leave share_prompt off"):
         cfg.validate()
+
+
+def test_a_context_group_holds_one_data_share(monkeypatch):
+    """World 4, k = 2: ranks 0, 1 are data replica 0 and ranks 2, 3 replica 1; a group's
+    ranks take the same share (by count and by tokens), and a value both hold is summed
+    once per group."""
+    costs = [3, 120, 5, 7, 64, 9, 1, 30]
+    items = list(range(len(costs)))
+    monkeypatch.setattr(dist, "world_size", lambda: 4)
+    monkeypatch.setitem(dist._CONTEXT, "size", 2)
+    sent = []
+    monkeypatch.setattr(dist, "sum_floats", lambda values: sent.append(values) or values)
+    shares = []
+    for r in range(4):
+        monkeypatch.setattr(dist, "rank", lambda r=r: r)
+        shares.append((dist.data_rank(), dist.shard(items), dist.shard_by_cost(items, costs)))
+        dist.data_sum([10.0 * (r // 2 + 1)])  # replica 0 holds 10, replica 1 holds 20
+    assert shares[0] == shares[1] and shares[2] == shares[3]
+    assert [s[0] for s in shares] == [0, 0, 1, 1]
+    assert shares[0][1] == [0, 2, 4, 6] and sorted(shares[0][2] + shares[2][2]) == items
+    assert sum(v[0] for v in sent) == 30.0  # (each group's first rank speaks for it)
+
+
+def test_the_rl_rows_are_dealt_by_tokens(monkeypatch):
+    """Sharded or context-parallel, the step's rows are dealt to data-parallel ranks by
+    tokens (prompt + completion), not by count: one long episode weighs as much as the
+    seven short rows together."""
+    from types import SimpleNamespace
+
+    from posttrain.trainers.online.trainer import RLTrainer
+
+    prompts = [[1] * 4] * 8
+    lengths = [2, 3, 2, 60, 3, 2, 2, 3]
+    completion_mask = torch.zeros(8, 64)
+    for i, n in enumerate(lengths):
+        completion_mask[i, :n] = 1
+    exp = SimpleNamespace(rollout=SimpleNamespace(prompt_ids=prompts,
+                                                  completion_mask=completion_mask))
+    monkeypatch.setattr(dist, "world_size", lambda: 2)
+    got = []
+    for r in (0, 1):
+        monkeypatch.setattr(dist, "rank", lambda r=r: r)
+        got.append(RLTrainer._mine(SimpleNamespace(dealt=True), exp)[1].tolist())
+    assert got == [[3], [0, 1, 2, 4, 5, 6, 7]]  # 64 tokens against 7 rows of 45

@@ -72,6 +72,34 @@ def test_shared_prompt_logprobs_on_cuda(packed):
                                      tol=1e-4, grad_rtol=1e-3, grad_atol=1e-4)
 
 
+@pytest.mark.parametrize("budget", [None, 24])
+def test_packed_rows_equal_padded_on_cuda(budget):
+    """Padding-free packing on the GPU: transformers builds the packed rows' block-diagonal
+    mask from the positions for SDPA on CUDA too; each sequence's summed completion log-prob
+    and the parameters' gradient equal the padded batch's (float32: the same bound as the
+    shared-prompt layout's, two forwards of the same sums in another order)."""
+    from posttrain.data import pack_sequences, per_sequence
+
+    model = load_causal_lm("builtin", device="cuda")
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in (3, 7, 5, 2, 9)]
+    comps = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in (9, 4, 12, 6, 1)]
+    padded = {k: v.cuda() for k, v in pad_sequences(prompts, comps, 0).items()}
+    packed = {k: v.cuda() for k, v in pack_sequences(prompts, comps, 0, budget=budget).items()}
+    sums, grads = [], []
+    for batch in (padded, packed):
+        model.zero_grad(set_to_none=True)
+        lp = completion_logprobs(model, batch["input_ids"], batch.get("attention_mask"),
+                                 batch["loss_mask"], position_ids=batch.get("position_ids"))
+        per = (lp.sum(-1) if "sequence_ids" not in batch
+               else per_sequence(lp, batch["sequence_ids"][:, 1:], len(prompts)))
+        per.sum().backward()
+        sums.append(per.detach().cpu())
+        grads.append(torch.cat([p.grad.flatten().cpu() for p in model.parameters()]))
+    torch.testing.assert_close(sums[1], sums[0], rtol=0, atol=1e-4)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-3, atol=1e-4)
+
+
 def _finite_metrics(out) -> list[dict]:
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     for row in rows:

@@ -285,10 +285,17 @@ class RLTrainer(Job):
     def _mine(self, exp) -> tuple:
         """This rank's part of the step: ``(local, own)``, the rollout of its rows and their
         indices in the step's samples (every row in a world of one). Sharded, any rank can
-        compute any sample (nothing is replayed): the rows are dealt out evenly, by
-        data-parallel rank (the ranks of a context-parallel group take the same rows)."""
+        compute any sample (nothing is replayed): the rows are dealt out by data-parallel
+        rank (the ranks of a context-parallel group take the same rows), balanced by tokens
+        (prompt and completion) so that the ranks finish together; the update is the same
+        whatever the deal (each row's loss carries the whole minibatch's normaliser)."""
         if self.dealt:
-            return exp.rollout, torch.arange(len(exp.valid))[dist.data_rank()::dist.data_world()]
+            ro = exp.rollout
+            costs = [len(p) + n for p, n in zip(ro.prompt_ids,
+                                                 ro.completion_mask.sum(-1).tolist(),
+                                                 strict=True)]
+            mine = dist.shard_by_cost(list(range(len(costs))), costs)
+            return ro, torch.tensor(mine, dtype=torch.long)
         return exp.local, exp.own
 
     def _token_batch(self, local, own: torch.Tensor, share: bool, temperature: float
