@@ -88,10 +88,8 @@ class RLTrainer(Job):
         self.policy = trained.load_trained(cfg, resume, lambda name: trained.load_policy(
             cfg, name, trained=True))
         self.sharded = cfg.parallel == "fsdp"
-        self.dealt = self.sharded or dist.context_size() > 1
-        """Each rank trains rows dealt from the whole step's samples (by data-parallel
-        rank), not the rows it sampled: sharded (any rank computes any row), or under
-        context parallelism (a group's ranks train the same rows, split by columns)."""
+        # train rows dealt from the whole step's (not the rows sampled): sharded, or context
+        self.dealt = self.sharded or dist.context_size() > 1  # parallel (a group: the same)
         self.device = compute_device(self.policy)
         self.moe = routing.is_moe(self.policy)
         """A mixture-of-experts policy: its passes run whole sequences (the layout routing is
@@ -285,16 +283,13 @@ class RLTrainer(Job):
     def _mine(self, exp) -> tuple:
         """This rank's part of the step: ``(local, own)``, the rollout of its rows and their
         indices in the step's samples (every row in a world of one). Sharded, any rank can
-        compute any sample (nothing is replayed): the rows are dealt out by data-parallel
-        rank (the ranks of a context-parallel group take the same rows), balanced by tokens
-        (prompt and completion) so that the ranks finish together; the update is the same
-        whatever the deal (each row's loss carries the whole minibatch's normaliser)."""
+        compute any sample (nothing is replayed): the rows are dealt out by data rank (a
+        context-parallel group takes the same rows), balanced by tokens; the update is the
+        same whatever the deal (each row's loss carries the minibatch's normaliser)."""
         if self.dealt:
             ro = exp.rollout
-            costs = [len(p) + n for p, n in zip(ro.prompt_ids,
-                                                 ro.completion_mask.sum(-1).tolist(),
-                                                 strict=True)]
-            mine = dist.shard_by_cost(list(range(len(costs))), costs)
+            costs = (ro.completion_mask.sum(-1) + torch.tensor([len(p) for p in ro.prompt_ids]))
+            mine = dist.shard_by_cost(list(range(len(costs))), costs.tolist())
             return ro, torch.tensor(mine, dtype=torch.long)
         return exp.local, exp.own
 
