@@ -127,11 +127,11 @@ class Split:
         if attention_mask is None and position_ids is not None:
             cut |= pos[:, 1:] != pos[:, :-1] + 1
         self.runs: list[list[tuple[int, int]]] = []
-        for b in range(B):
+        self.whole = not bool(cut.any()) and bool(valid.all())  # (no per-row walk then)
+        for b in range(0 if self.whole else B):
             edges = [0, *(torch.nonzero(cut[b]).flatten() + 1).tolist(), self.padded]
             self.runs.append([(s, e) for s, e in pairwise(edges)
                               if bool(valid[b, s])])
-        self.whole = all(r == [(0, self.padded)] for r in self.runs)
         self.ids, self.pos = ids[:, self.lo:self.hi], pos[:, self.lo:self.hi]
 
     def local(self, x: torch.Tensor, fill=0) -> torch.Tensor:
@@ -158,7 +158,8 @@ class Split:
 @contextmanager
 def running(model, split: Split):
     """While a split forward of ``model`` runs: its attention is this module's, over
-    ``split``'s stretches (thread-local: another thread's forward is untouched)."""
+    ``split``'s stretches. The split is thread-local, the attention setting is the model's
+    config: a split model is not run by two threads at once (samplers run on copies)."""
     from posttrain.models.loading import backbone
 
     _register()
