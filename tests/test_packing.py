@@ -4,6 +4,7 @@ gradients of packed rows against the padded batch within derived bounds."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -92,7 +93,7 @@ def test_sft_with_packing_trains_as_padded(tiny_model_dir, tmp_path):
             {"prompt": "30+41=", "completion": "71"}, {"prompt": "7+5=", "completion": "12"}]
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     losses = []
-    for name, extra in (("padded", []), ("packed", ["--packing", "true",
+    for name, extra in (("padded", ["--packing", "false"]), ("packed", ["--packing", "true",
                                                     "--max_tokens_per_micro_batch", "16"])):
         out = tmp_path / name
         assert main(["sft", "--model", tiny_model_dir, "--data", str(tmp_path / "d.jsonl"),
@@ -121,12 +122,19 @@ def test_sft_with_packing_trains_as_padded(tiny_model_dir, tmp_path):
 
 
 def test_packing_keys_are_checked(tmp_path):
-    from posttrain.config import ConfigError, SFTConfig
+    from posttrain.config import ConfigError, RLConfig, SFTConfig
 
-    cfg = SFTConfig(output_dir=str(tmp_path), max_tokens_per_micro_batch=64)
-    cfg.given = {"max_tokens_per_micro_batch"}
+    cfg = SFTConfig(output_dir=str(tmp_path), packing=False, max_tokens_per_micro_batch=64)
+    cfg.given = {"packing", "max_tokens_per_micro_batch"}
     with pytest.raises(ConfigError, match="max_tokens_per_micro_batch"):
         cfg.validate()
+    cfg = SFTConfig(output_dir=str(tmp_path), max_tokens_per_micro_batch=64)
+    cfg.given = {"max_tokens_per_micro_batch"}
+    cfg.validate()  # (automatic packing: the budget caps its rows if it packs)
+    cfg = RLConfig(output_dir=str(tmp_path), max_tokens_per_micro_batch=64)
+    cfg.given = {"max_tokens_per_micro_batch"}
+    with pytest.raises(ConfigError, match="max_tokens_per_micro_batch"):
+        cfg.validate()  # (the RL trainers pack only when told)
     cfg = SFTConfig(output_dir=str(tmp_path), packing=True, max_tokens_per_micro_batch=0)
     with pytest.raises(ConfigError, match="must be ≥ 1"):
         cfg.validate()
@@ -302,3 +310,72 @@ def test_shares_balanced_by_tokens(monkeypatch):
     assert abs(loads[0] - loads[1]) <= max(costs)
     assert shares[0] == sorted(shares[0])  # (in their order)
     assert shares[0] == [1] and loads == [120, 119]  # (by hand: 120 alone outweighs the rest)
+
+
+def test_automatic_packing_reads_the_padding_it_would_save():
+    """Left automatic, packing is on exactly when the packed micro-batches run at most
+    PACK_BELOW of the padded tokens, rows capped at the data's longest group; a setting
+    given is kept as it is."""
+    from posttrain.packing import PACK_BELOW, decide_packing, layout_tokens
+
+    assert layout_tokens([[10], [5], [3]], 10) == (30, 20)  # rows [10], [5, 3]
+    assert layout_tokens([[10], [5], [3]], None) == (30, 18)  # one row
+    assert layout_tokens([[4, 6], [2, 2]], 8) == (24, 20)  # a pair stays in one row
+    uniform = [[[9], [10], [9], [10]]] * 4
+    assert decide_packing(None, None, uniform, 10) == (False, 10)
+    tailed = [[[40], [6], [5], [7]]] * 4  # padded 4·40 = 160, packed 2 rows · 40 = 80
+    assert decide_packing(None, None, tailed, 40) == (True, 40)
+    assert decide_packing(None, 64, tailed, 40) == (True, 64)  # one row of 58: ≤ 0.75·160
+    assert decide_packing(False, None, tailed, 40) == (False, None)
+    assert decide_packing(True, None, uniform, 10) == (True, None)
+    assert decide_packing(None, None, [], 0) == (False, None)
+    # at the threshold itself: packed = PACK_BELOW · padded packs; a little more does not
+    edge = [[[4], [2], [2], [4]]]  # padded 4·4 = 16, packed rows [4], [2, 2], [4]: 12
+    assert layout_tokens(edge[0], 4) == (16, 12) and PACK_BELOW == 12 / 16
+    assert decide_packing(None, None, edge, 4)[0]
+    assert not decide_packing(None, None, [*edge, [[1], [1]]], 4)[0]  # + (2, 2): 14 / 18
+
+
+@pytest.mark.parametrize("extra, packs", [([], True), (["--packing", "false"], False),
+                                          (["--max_tokens_per_micro_batch", "200"], True)])
+def test_sft_packs_a_long_tailed_dataset_by_itself(tiny_model_dir, tmp_path, capsys, extra,
+                                                   packs):
+    """sft with packing left automatic on lengths 4 to ~60 tokens: it packs, says so in one
+    line with its row budget, and trains; ``--packing false`` keeps it padded."""
+    from posttrain.cli import main
+
+    rows = [{"prompt": "1+1=" if i % 4 else "Add these numbers with care, please: 1+1=",
+             "completion": "2"} for i in range(8)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "run"
+    assert main(["sft", "--model", tiny_model_dir, "--data", str(tmp_path / "d.jsonl"),
+                 "--batch_size", "4", "--max_steps", "2", "--log_every", "1", "--device",
+                 "cpu", "--tensorboard", "false", "--output_dir", str(out), *extra]) == 0
+    said = [x for x in capsys.readouterr().err.splitlines() if "packing: on" in x]
+    assert len(said) == int(packs)
+    if packs:
+        from posttrain.data import encode_sft
+        from posttrain.models import load_tokenizer
+
+        examples = encode_sft(load_tokenizer(tiny_model_dir), "d.jsonl",
+                              [{**r, "_row": i + 1} for i, r in enumerate(rows)], 512, "error")
+        longest = max(len(e.prompt) + len(e.completions[0]) for e in examples)
+        assert said[0].endswith(f"rows of up to {200 if extra else longest} tokens"), said
+    steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()
+             if '"train/loss"' in x]
+    assert len(steps) == 2 and all(math.isfinite(s["train/loss"]) for s in steps)
+
+
+@pytest.mark.parametrize("command", ["rm", "dpo"])
+def test_pairs_pack_by_themselves_where_padding_dominates(tiny_model_dir, tmp_path, capsys,
+                                                          command):
+    """rm and dpo decide as sft does, a pair counted as one group of two sequences."""
+    from posttrain.cli import main
+
+    rows = [{"prompt": "1+1=" if i % 4 else "Add these numbers with care, please: 1+1=",
+             "chosen": "2", "rejected": "3"} for i in range(8)]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main([command, "--model", tiny_model_dir, "--data", str(tmp_path / "p.jsonl"),
+                 "--batch_size", "4", "--max_steps", "1", "--device", "cpu", "--tensorboard",
+                 "false", "--output_dir", str(tmp_path / "run")]) == 0
+    assert f"[{command}] packing: on (automatic" in capsys.readouterr().err

@@ -10,17 +10,22 @@ from posttrain.config.errors import check
 
 @dataclass
 class PackingFields:
-    packing: bool = False
+    packing: bool | None = None
     """Padding-free micro-batches: a micro-batch's sequences one after another in rows of
     at most max_tokens_per_micro_batch tokens, positions restarting per sequence (the
     model's attention keeps each to itself; a preference pair's two in one row); loss and
-    metrics as padded, less the padding's compute and memory (docs/scaling.md)."""
+    metrics as padded, less the padding's compute and memory. none = automatic: sft, rm
+    and dpo pack when the padding of their first micro-batches would be over a quarter of
+    the tokens (rows capped at the data's longest sequence or pair); the RL trainers stay
+    padded (docs/scaling.md)."""
     max_tokens_per_micro_batch: int | None = None
-    """packing: the most tokens a packed row holds (None: a micro-batch is one row; a
-    longer sequence, or pair, has a row of its own)."""
+    """packing: the most tokens a packed row holds (None: a micro-batch is one row, or with
+    automatic packing a row as long as the data's longest sequence or pair; a longer
+    sequence, or pair, has a row of its own)."""
 
-    def _check_packing(self) -> None:
-        if not self.packing:
+    def _check_packing(self, automatic: bool = False) -> None:
+        """``automatic``: the trainer decides packing left at none (else none is off)."""
+        if not (self.packing or (automatic and self.packing is None)):
             self.refuse(("max_tokens_per_micro_batch",), f"{self.COMMAND} without --packing "
                         "true")
         check(self.max_tokens_per_micro_batch is None or self.max_tokens_per_micro_batch >= 1,

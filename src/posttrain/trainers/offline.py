@@ -8,12 +8,13 @@ the step is cut into micro-batches; the run loop (:mod:`.loop`) does everything 
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
 
 from posttrain import data as data_mod
-from posttrain import dist, fast, sharding
+from posttrain import dist, fast, packing, sharding
 from posttrain.builtin import task as builtin_task
 from posttrain.config import ConfigError, DPOConfig, OfflineConfig, RMConfig, SFTConfig
 from posttrain.core import bradley_terry_loss, dpo_loss
@@ -127,6 +128,29 @@ class OfflineJob(Job):
         if self.aux_coef and dist.context_size() > 1:
             raise ConfigError("router_aux_loss_coef with context_parallel is not supported yet "
                               "(the load-balancing loss counts each forward's own tokens)")
+        self.packing, self.budget = self._decide_packing()
+
+    sequences_per_example = 1  # (a preference pair's 2 share a packed row)
+
+    def _decide_packing(self) -> tuple[bool, int | None]:
+        """``--packing`` as set, or automatic: from the lengths of the run's first
+        micro-batches in its own order (:func:`posttrain.packing.decide_packing`); off where
+        another layout was chosen (``share_prompt=true``, a load-balancing loss)."""
+        cfg = self.cfg
+        setting = (False if cfg.packing is None and (getattr(cfg, "share_prompt", None)
+                                                     or self.aux_coef) else cfg.packing)
+        groups = [[len(e.prompt) + len(c) for c in e.completions[:self.sequences_per_example]]
+                  for e in self.train_examples]
+        order = ExampleStream(len(groups), cfg.seed)  # (whole micro-batches: any world)
+        micro = [[groups[next(order)] for _ in range(cfg.batch_size)] for _ in range(
+            packing.SAMPLED_MICRO_BATCHES if groups and setting is None else 0)]
+        on, budget = packing.decide_packing(setting, cfg.max_tokens_per_micro_batch, micro,
+                                            max(map(sum, groups), default=0))
+        if setting is None and on and dist.is_main():
+            print(f"[{cfg.COMMAND}] packing: on (automatic; the padding of this data "
+                        f"costs more than {1 - packing.PACK_BELOW:.0%} of the tokens), rows of "
+                        f"up to {budget} tokens", file=sys.stderr, flush=True)
+        return on, budget
 
     # --- what a subclass provides ------------------------------------------------------------
     def collate(self, examples: list) -> dict:
@@ -187,7 +211,7 @@ class OfflineJob(Job):
         """This rank's share of a micro-batch: every world-th example, or with packing the
         share balanced by tokens (the ranks' packed rows end up alike, so they finish
         together; the update is the same: the loss is normalised by the step's units)."""
-        if not self.cfg.packing:
+        if not self.packing:
             return dist.shard(examples)
         return dist.shard_by_cost(examples, [len(e.prompt) * len(e.completions)
                                              + sum(map(len, e.completions)) for e in examples])
@@ -239,8 +263,8 @@ class SFTTrainer(OfflineJob):
         args = ([e.prompt for e in examples], [e.completions[0] for e in examples],
                 self.tokenizer.pad_token_id, [e.trained[0] if e.trained else None
                                               for e in examples])
-        if self.cfg.packing:  # (rows without padding; positions restart per example)
-            return data_mod.pack_sequences(*args, budget=self.cfg.max_tokens_per_micro_batch)
+        if self.packing:  # (rows without padding; positions restart per example)
+            return data_mod.pack_sequences(*args, budget=self.budget)
         return data_mod.pad_sequences(*args)
 
     def units(self, batch):
@@ -254,11 +278,12 @@ class SFTTrainer(OfflineJob):
 
 
 class RewardTrainer(OfflineJob):
+    sequences_per_example = 2
     progress_keys = (("loss", "train/loss"), ("acc", "train/accuracy"))
 
     def collate(self, examples):
-        batch = _pair_batch(examples, self.tokenizer.pad_token_id, packing=self.cfg.packing,
-                            budget=self.cfg.max_tokens_per_micro_batch)
+        batch = _pair_batch(examples, self.tokenizer.pad_token_id, packing=self.packing,
+                            budget=self.budget)
         margins = [e.margin or 0.0 for e in examples]
         batch["margin"] = torch.tensor(margins) if any(margins) else None
         return batch
@@ -276,6 +301,7 @@ class RewardTrainer(OfflineJob):
 
 
 class DPOTrainer(OfflineJob):
+    sequences_per_example = 2
     progress_keys = (("loss", "train/loss"), ("reward acc", "train/reward_accuracy"))
 
     def __init__(self, cfg, model, tokenizer, train_examples, eval_examples, ref_model):
@@ -286,7 +312,7 @@ class DPOTrainer(OfflineJob):
             raise ConfigError("router_aux_loss_coef needs share_prompt=false (the shared "
                               "prompt's packed mask hides which tokens the loss counts)")
         # (the auxiliary loss reads each forward's padding: full sequences)
-        self.share_prompt = (False if (self.aux_coef or cfg.packing or cfg.context_parallel > 1)
+        self.share_prompt = (False if (self.aux_coef or self.packing or cfg.context_parallel > 1)
                              and cfg.share_prompt is None
                              else decide_share_prompt(cfg.share_prompt, model))
         context_parallel.enable(self.ref_model)
@@ -336,7 +362,7 @@ class DPOTrainer(OfflineJob):
 
     def collate(self, examples, with_ref: bool = True):
         batch = _pair_batch(examples, self.tokenizer.pad_token_id, self.share_prompt,
-                            self.cfg.packing, self.cfg.max_tokens_per_micro_batch)
+                            self.packing, self.budget)
         if with_ref and self.cfg.precompute_ref:
             batch["ref_logps"] = torch.tensor([e.ref_logps[0] for e in examples]
                                               + [e.ref_logps[1] for e in examples])

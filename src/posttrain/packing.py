@@ -1,0 +1,58 @@
+"""Whether a run packs its micro-batches (``--packing``, left automatic), decided once at
+start-up from the lengths of the sequences it will train (docs/scaling.md).
+
+A micro-batch's cost in the linear layers, which dominate, is the tokens it runs: a padded
+micro-batch runs ``sequences × longest``, a packed one ``rows × longest row``. Packing is
+switched on when it would run at most :data:`PACK_BELOW` of the padded tokens on the run's
+first micro-batches (drawn in the run's own order). Automatic packing caps a row at the
+longest sequence (or pair) of the data, so a packed micro-batch has at most as many rows as
+the padded one has sequences and its attention, quadratic in a row's length, never costs
+more than the padded one's."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+PACK_BELOW = 0.75
+"""Pack when the packed micro-batches would run at most this fraction of the padded ones'
+tokens: a saving under a quarter is within the noise of a step's other costs, and not worth
+a different summation order (an unpadded built-in task stays padded)."""
+
+SAMPLED_MICRO_BATCHES = 64
+"""How many of the run's first micro-batches the decision reads."""
+
+
+def layout_tokens(groups: Sequence[Sequence[int]], budget: int | None) -> tuple[int, int]:
+    """``(padded, packed)`` tokens of one micro-batch whose sequences have the lengths in
+    ``groups`` (a group, a preference pair's two sequences, shares a row), packed as
+    :func:`posttrain.data.pack_sequences` packs: in order, a new row when the next group
+    would pass ``budget``."""
+    lengths = [n for g in groups for n in g]
+    padded = len(lengths) * max(lengths)
+    rows, used, longest = 0, 0, 0
+    for g in groups:
+        n = sum(g)
+        if rows == 0 or (budget is not None and used + n > budget):
+            rows, used = rows + 1, 0
+        used += n
+        longest = max(longest, used)
+    return padded, rows * longest
+
+
+def decide_packing(setting: bool | None, budget: int | None,
+                   micro_batches: Sequence[Sequence[Sequence[int]]],
+                   longest: int) -> tuple[bool, int | None]:
+    """``(packing, budget)`` for a run: ``setting`` with ``budget`` when given; automatic
+    (``setting`` None): on when the sampled ``micro_batches`` (each a list of groups of
+    sequence lengths) would run at most :data:`PACK_BELOW` of their padded tokens packed,
+    rows capped at ``budget`` or else at ``longest``, the data's longest group."""
+    if setting is not None:
+        return setting, budget
+    if not micro_batches:
+        return False, budget
+    cap = budget if budget is not None else longest
+    padded = packed = 0
+    for mb in micro_batches:
+        a, b = layout_tokens(mb, cap)
+        padded, packed = padded + a, packed + b
+    return packed <= PACK_BELOW * padded, cap
