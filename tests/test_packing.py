@@ -325,15 +325,15 @@ def test_automatic_packing_reads_the_padding_it_would_save():
     assert decide_packing(None, None, uniform, 10) == (False, 10)
     tailed = [[[40], [6], [5], [7]]] * 4  # padded 4·40 = 160, packed 2 rows · 40 = 80
     assert decide_packing(None, None, tailed, 40) == (True, 40)
-    assert decide_packing(None, 64, tailed, 40) == (True, 64)  # one row of 58: ≤ 0.75·160
+    assert decide_packing(None, 64, tailed, 40) == (True, 64)  # one row of 58
     assert decide_packing(False, None, tailed, 40) == (False, None)
     assert decide_packing(True, None, uniform, 10) == (True, None)
     assert decide_packing(None, None, [], 0) == (False, None)
     # at the threshold itself: packed = PACK_BELOW · padded packs; a little more does not
-    edge = [[[4], [2], [2], [4]]]  # padded 4·4 = 16, packed rows [4], [2, 2], [4]: 12
-    assert layout_tokens(edge[0], 4) == (16, 12) and PACK_BELOW == 12 / 16
-    assert decide_packing(None, None, edge, 4)[0]
-    assert not decide_packing(None, None, [*edge, [[1], [1]]], 4)[0]  # + (2, 2): 14 / 18
+    edge = [[[2], [1], [1], *[[2]] * 7]]  # padded 10·2 = 20, packed 9 rows of 2: 18
+    assert layout_tokens(edge[0], 2) == (20, 18) and PACK_BELOW == 18 / 20
+    assert decide_packing(None, None, edge, 2)[0]
+    assert not decide_packing(None, None, [*edge, [[1], [1]]], 2)[0]  # + (2, 2): 20 / 22
 
 
 @pytest.mark.parametrize("extra, packs", [([], True), (["--packing", "false"], False),

@@ -15,8 +15,8 @@ class PackingFields:
     at most max_tokens_per_micro_batch tokens, positions restarting per sequence (the
     model's attention keeps each to itself; a preference pair's two in one row); loss and
     metrics as padded, less the padding's compute and memory. none = automatic: sft, rm
-    and dpo pack when the padding of their first micro-batches would be over a quarter of
-    the tokens (rows capped at the data's longest sequence or pair); the RL trainers stay
+    and dpo pack when packing would save at least a tenth of their first micro-batches'
+    tokens (rows capped at the data's longest sequence or pair); the RL trainers stay
     padded (docs/scaling.md)."""
     max_tokens_per_micro_batch: int | None = None
     """packing: the most tokens a packed row holds (None: a micro-batch is one row, or with

@@ -148,7 +148,7 @@ class OfflineJob(Job):
                                             max(map(sum, groups), default=0))
         if setting is None and on and dist.is_main():
             print(f"[{cfg.COMMAND}] packing: on (automatic; the padding of this data "
-                        f"costs more than {1 - packing.PACK_BELOW:.0%} of the tokens), rows of "
+                        f"costs at least {1 - packing.PACK_BELOW:.0%} of the tokens), rows of "
                         f"up to {budget} tokens", file=sys.stderr, flush=True)
         return on, budget
 
