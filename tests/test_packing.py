@@ -131,10 +131,10 @@ def test_packing_keys_are_checked(tmp_path):
     cfg = SFTConfig(output_dir=str(tmp_path), max_tokens_per_micro_batch=64)
     cfg.given = {"max_tokens_per_micro_batch"}
     cfg.validate()  # (automatic packing: the budget caps its rows if it packs)
-    cfg = RLConfig(output_dir=str(tmp_path), max_tokens_per_micro_batch=64)
-    cfg.given = {"max_tokens_per_micro_batch"}
+    cfg = RLConfig(output_dir=str(tmp_path), packing=False, max_tokens_per_micro_batch=64)
+    cfg.given = {"packing", "max_tokens_per_micro_batch"}
     with pytest.raises(ConfigError, match="max_tokens_per_micro_batch"):
-        cfg.validate()  # (the RL trainers pack only when told)
+        cfg.validate()
     cfg = SFTConfig(output_dir=str(tmp_path), packing=True, max_tokens_per_micro_batch=0)
     with pytest.raises(ConfigError, match="must be ≥ 1"):
         cfg.validate()
@@ -379,3 +379,32 @@ def test_pairs_pack_by_themselves_where_padding_dominates(tiny_model_dir, tmp_pa
                  "--batch_size", "4", "--max_steps", "1", "--device", "cpu", "--tensorboard",
                  "false", "--output_dir", str(tmp_path / "run")]) == 0
     assert f"[{command}] packing: on (automatic" in capsys.readouterr().err
+
+
+def _rollout(completion_lengths):
+    from posttrain.rollout import Rollout
+
+    n, Lc = len(completion_lengths), max(completion_lengths)
+    ids = torch.tensor([[7] * k + [0] * (Lc - k) for k in completion_lengths])
+    mask = (torch.arange(Lc) < torch.tensor(completion_lengths)[:, None]).long()
+    return Rollout(prompt_ids=[[5, 6, 7]] * n, completion_ids=ids, completion_mask=mask,
+                   logprobs=torch.zeros(ids.shape), truncated=torch.zeros(n, dtype=bool),
+                   group_ids=torch.arange(n), texts=[""] * n)
+
+
+def test_rl_token_batches_pack_by_themselves_where_padding_dominates():
+    """Left unset, an RL step's full-sequence batch packs when packed it would run at most
+    PACK_BELOW of its padded tokens, rows capped at its longest sequence; a shared-prompt
+    batch, or one told not to, stays as it is."""
+    from posttrain.trainers.online import TokenBatch
+
+    tailed = TokenBatch(_rollout([1, 1, 1, 20]), 0, "cpu", False, 1.0, packing=None)
+    assert (tailed.packing, tailed.budget) == (True, 23)  # 92 padded, 2 rows · 23 = 46
+    even = TokenBatch(_rollout([5, 5, 5, 6]), 0, "cpu", False, 1.0, packing=None)
+    assert (even.packing, even.budget) == (False, 9)  # 4 rows of 9 either way
+    told = TokenBatch(_rollout([1, 1, 1, 20]), 0, "cpu", False, 1.0, packing=False)
+    assert (told.packing, told.budget) == (False, None)
+    shared = TokenBatch(_rollout([1, 1, 1, 20]), 0, "cpu", True, 1.0, packing=None)
+    assert shared.packing is False
+    rows = torch.arange(4)
+    assert tailed._pack(rows)[0]["input_ids"].shape == (2, 23)

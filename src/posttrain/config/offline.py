@@ -32,7 +32,7 @@ class OfflineConfig(PackingFields, RunConfig):
         super().validate()
         check(self.batch_size >= 1 and self.grad_accum >= 1,
               "batch_size and grad_accum must be ≥ 1")
-        self._check_packing(automatic=True)
+        self._check_packing()
         check(self.epochs > 0 or self.max_steps > 0, "need epochs > 0 or max_steps > 0")
         check(self.max_length >= 2, "max_length must be ≥ 2")
         check(self.overlong in ("error", "truncate", "drop"),

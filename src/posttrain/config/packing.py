@@ -16,18 +16,19 @@ class PackingFields:
     model's attention keeps each to itself; a preference pair's two in one row); loss and
     metrics as padded, less the padding's compute and memory. none = automatic: sft, rm
     and dpo pack when packing would save at least a tenth of their first micro-batches'
-    tokens (rows capped at the data's longest sequence or pair); the RL trainers stay
-    padded (docs/scaling.md)."""
+    tokens (rows capped at the data's longest sequence or pair); the RL trainers decide
+    so per step for full sequences (rows capped at the step's longest), and leave the
+    shared-prompt layout as it is (docs/scaling.md)."""
     max_tokens_per_micro_batch: int | None = None
     """packing: the most tokens a packed row holds (None: a micro-batch is one row, or with
     automatic packing a row as long as the data's longest sequence or pair; a longer
     sequence, or pair, has a row of its own)."""
 
-    def _check_packing(self, automatic: bool = False) -> None:
-        """``automatic``: the trainer decides packing left at none (else none is off)."""
-        if not (self.packing or (automatic and self.packing is None)):
-            self.refuse(("max_tokens_per_micro_batch",), f"{self.COMMAND} without --packing "
-                        "true")
+    def _check_packing(self) -> None:
+        # (with packing left at none a budget caps the rows of the packing decided)
+        if self.packing is False:
+            self.refuse(("max_tokens_per_micro_batch",), f"{self.COMMAND} with --packing "
+                        "false")
         check(self.max_tokens_per_micro_batch is None or self.max_tokens_per_micro_batch >= 1,
               "max_tokens_per_micro_batch must be ≥ 1")
         check(not (self.packing and getattr(self, "share_prompt", None)), "packing and "

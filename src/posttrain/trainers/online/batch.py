@@ -21,6 +21,7 @@ from posttrain.models import (
     shared_prompt_logprobs,
     value_head,
 )
+from posttrain.packing import decide_packing
 from posttrain.rollout import Rollout
 
 
@@ -36,7 +37,8 @@ class TokenBatch:
     """
 
     def __init__(self, rollout: Rollout, pad_id: int, device, share_prompt: bool,
-                 temperature: float = 1.0, packing: bool = False, budget: int | None = None):
+                 temperature: float = 1.0, packing: bool | None = False,
+                 budget: int | None = None):
         self.temperature = temperature
         """Every log-prob pass divides the logits by the sampling temperature, so the update,
         old and reference log-probs are of the distribution that sampled (top-k / top-p
@@ -68,10 +70,14 @@ class TokenBatch:
             self.full = {k: v.to(device) for k, v in full.items()}
             self.prompt_lengths = torch.tensor([len(p) for p in rollout.prompt_ids],
                                                device=device)
-        self.pad_id, self.budget = pad_id, budget
-        self.packing = packing and not share_prompt
-        """Full sequences run packed, without padding (``--packing``): each pass packs its
-        rows (:meth:`_pack`)."""
+        self.pad_id = pad_id
+        self.packing, self.budget = (False, budget) if share_prompt else decide_packing(
+            packing, budget, [[[n] for n in self.full["attention_mask"].sum(-1).tolist()]],
+            self.full["input_ids"].shape[1])
+        """Full sequences run packed, without padding (``--packing``, or left unset when
+        packed they would run at most :data:`~posttrain.packing.PACK_BELOW` of this batch's
+        padded tokens, rows capped at its longest sequence): each pass packs its rows
+        (:meth:`_pack`)."""
 
     def __len__(self) -> int:
         return len(self.completion_ids)

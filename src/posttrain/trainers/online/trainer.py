@@ -295,13 +295,13 @@ class RLTrainer(Job):
 
     def _token_batch(self, local, own: torch.Tensor, share: bool, temperature: float
                      ) -> TokenBatch | None:
-        """This rank's samples as a token batch (all of them in a world of one); every other
-        tensor of the step covers the whole step's samples, the same on every rank. None for
-        a rank left without rows (it adds nothing to the gradient)."""
+        """This rank's samples as a token batch (all in a world of one; other tensors cover
+        the whole step's samples). None for a rank left without rows (no gradient to add)."""
         if not (len(own) or self.dealt):
             return None
         return TokenBatch(local, self.tok.pad_token_id, self.device, share, temperature,
-                          self.cfg.packing, self.cfg.max_tokens_per_micro_batch)
+                          bool(self.cfg.packing) if self.moe else self.cfg.packing,
+                          self.cfg.max_tokens_per_micro_batch)  # (None: automatic)
 
     def _sample_table(self, exp, adv: torch.Tensor, mask: torch.Tensor, step: int
                       ) -> list[dict] | None:
