@@ -109,9 +109,10 @@ def test_a_context_group_holds_one_data_share(monkeypatch):
 
 
 def test_the_rl_rows_are_dealt_by_tokens(monkeypatch):
-    """Sharded or context-parallel, the step's rows are dealt to data-parallel ranks by
-    tokens (prompt + completion), not by count: one long episode weighs as much as the
-    seven short rows together."""
+    """Sharded, context-parallel, or under ddp on full sequences, the step's rows are dealt
+    to data-parallel ranks by tokens (prompt + completion), not by count: one long episode
+    weighs as much as the seven short rows together. Under ddp a shared-prompt step, or an
+    MoE policy's, keeps the rows each rank sampled."""
     from types import SimpleNamespace
 
     from posttrain.trainers.online.trainer import RLTrainer
@@ -124,8 +125,16 @@ def test_the_rl_rows_are_dealt_by_tokens(monkeypatch):
     exp = SimpleNamespace(rollout=SimpleNamespace(prompt_ids=prompts,
                                                   completion_mask=completion_mask))
     monkeypatch.setattr(dist, "world_size", lambda: 2)
-    got = []
-    for r in (0, 1):
-        monkeypatch.setattr(dist, "rank", lambda r=r: r)
-        got.append(RLTrainer._mine(SimpleNamespace(dealt=True), exp)[1].tolist())
-    assert got == [[3], [0, 1, 2, 4, 5, 6, 7]]  # 64 tokens against 7 rows of 45
+    exp.local, exp.own = "sampled here", torch.tensor([0, 2, 4, 6])  # (rank 0's draw)
+    for sharded, share, moe, dealt in ((True, True, False, True), (False, False, False, True),
+                                       (False, True, False, False), (False, False, True, False)):
+        got = []
+        for r in (0, 1):
+            monkeypatch.setattr(dist, "rank", lambda r=r: r)
+            trainer = SimpleNamespace(sharded=sharded, moe=moe)
+            got.append(RLTrainer._mine(trainer, exp, share)[1].tolist())
+            assert trainer.dealt == dealt
+        if dealt:  # (fsdp; or ddp on full sequences, not MoE)
+            assert got == [[3], [0, 1, 2, 4, 5, 6, 7]]  # 64 tokens against 7 rows of 45
+        else:  # ddp in the shared-prompt layout, or MoE: the rows each rank sampled
+            assert got == [[0, 2, 4, 6]] * 2

@@ -196,6 +196,18 @@ def test_two_ranks_compute_the_on_policy_update_of_one(name, parallel, runs):
     _assert_on_policy_runs_agree(name, runs(name, 1), runs(name, 2, parallel))
 
 
+@pytest.mark.parametrize(("name", "extra"), [("ppo", ("--share_prompt", "false")),
+                                           ("distill", ())])
+def test_two_ranks_dealing_full_sequences_by_tokens_compute_the_update_of_one(name, extra,
+                                                                              runs):
+    """ddp on full sequences (PPO with ``--share_prompt false``: its critic, 2 epochs of
+    minibatches; distill, which runs whole sequences): the step's rows are dealt to the
+    ranks by tokens, not kept where they were sampled (tests/test_context_parallel.py
+    checks the deal), and the update is one process's."""
+    _assert_on_policy_runs_agree(name, runs(name, 1, "ddp", *extra),
+                                 runs(name, 2, "ddp", *extra))
+
+
 @pytest.mark.parametrize(("name", "parallel", "extra"), [
     ("grpo", "ddp", ("--packing", "true")), ("ppo", "ddp", ()), ("lora", "ddp", ()),
     ("episodes", "fsdp", ()), ("distill", "ddp", ())])

@@ -70,7 +70,7 @@ class DistillTrainer(RLTrainer):
         cfg = self.cfg
         self.step_num = step
         exp, produced = self.side.take(step)
-        local, own = self._mine(exp)
+        local, own = self._mine(exp, False)  # (whole sequences)
         t0 = time.perf_counter()
         valid = exp.valid.to(self.device)
         mask = exp.rollout.trained_mask.to(self.device).float() * valid[:, None]

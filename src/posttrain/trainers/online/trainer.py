@@ -88,8 +88,7 @@ class RLTrainer(Job):
         self.policy = trained.load_trained(cfg, resume, lambda name: trained.load_policy(
             cfg, name, trained=True))
         self.sharded = cfg.parallel == "fsdp"
-        # train rows dealt from the whole step's (not the rows sampled): sharded, or context
-        self.dealt = self.sharded or dist.context_size() > 1  # parallel (a group: the same)
+        self.dealt = False  # (whether this step's rows are dealt from the whole step's: _mine)
         self.device = compute_device(self.policy)
         self.moe = routing.is_moe(self.policy)
         """A mixture-of-experts policy: its passes run whole sequences (the layout routing is
@@ -151,8 +150,7 @@ class RLTrainer(Job):
 
     @property
     def engine(self):
-        """The sampler side's engine (None in another process): for tests and tools; the
-        learner itself never touches it."""
+        """The sampler side's engine (None in another process), for tests and tools only."""
         return self.side.engine
 
     @property
@@ -196,13 +194,13 @@ class RLTrainer(Job):
                 if self.algo.reward_kl_coef else self.algo)
         # 1. experience, from the sampler side
         exp, produced = self.side.take(step)
-        local, own = self._mine(exp)
+        share = self.share_prompt and (exp.rollout.loss_mask is None
+                                       or _groups_share_prompts(exp.rollout))
+        local, own = self._mine(exp, share)
         if not exp.valid.any():
             log.warning("step %d: every sample's reward failed (on_reward_error=skip): the "
                         "step learns nothing", step)
         t0 = time.perf_counter()
-        share = self.share_prompt and (exp.rollout.loss_mask is None
-                                       or _groups_share_prompts(exp.rollout))
         tokens = self._token_batch(local, own, share, cfg.temperature)
         routed = None  # the policy's routing through the step's passes (MoE)
         if self.moe and tokens is not None and not tokens.share:
@@ -280,12 +278,15 @@ class RLTrainer(Job):
         return StepResult(values=record, tokens=exp.sampled_tokens,
                           samples=self._sample_table(exp, adv, mask, step))
 
-    def _mine(self, exp) -> tuple:
+    def _mine(self, exp, share: bool) -> tuple:
         """This rank's part of the step: ``(local, own)``, the rollout of its rows and their
-        indices in the step's samples (every row in a world of one). Sharded, any rank can
-        compute any sample (nothing is replayed): the rows are dealt out by data rank (a
-        context-parallel group takes the same rows), balanced by tokens; the update is the
-        same whatever the deal (each row's loss carries the minibatch's normaliser)."""
+        indices in the step's samples (all in a world of one). Sharded, context parallel or
+        on full sequences, the rows are dealt out by data rank (a context group takes the
+        same), balanced by tokens (the update is the same: each row's loss carries the
+        minibatch's normaliser); a shared-prompt step under ddp (the sampler's cached
+        projections) or an MoE policy (its recorded routing) keeps the rows it sampled."""
+        self.dealt = (self.sharded or dist.context_size() > 1
+                      or (dist.data_world() > 1 and not share and not self.moe))
         if self.dealt:
             ro = exp.rollout
             costs = (ro.completion_mask.sum(-1) + torch.tensor([len(p) for p in ro.prompt_ids]))
@@ -305,8 +306,7 @@ class RLTrainer(Job):
 
     def _sample_table(self, exp, adv: torch.Tensor, mask: torch.Tensor, step: int
                       ) -> list[dict] | None:
-        """The step's sample table on a ``log_samples_every`` step (the main rank's), else
-        None."""
+        """The step's sample table on a ``log_samples_every`` step (main rank), else None."""
         cfg = self.cfg
         if not (cfg.log_samples_every and step % cfg.log_samples_every == 0
                 and dist.is_main()):
