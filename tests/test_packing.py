@@ -408,3 +408,28 @@ def test_rl_token_batches_pack_by_themselves_where_padding_dominates():
     assert shared.packing is False
     rows = torch.arange(4)
     assert tailed._pack(rows)[0]["input_ids"].shape == (2, 23)
+
+
+def test_automatic_packing_resumes_exactly(tiny_model_dir, tmp_path, capsys):
+    """A resumed run decides packing as the run it continues (the data, seed and batch
+    size decide it): a long-tailed sft run rebuilt from its step-2 checkpoint ends on the
+    uninterrupted run's weights, bit for bit."""
+    from safetensors.torch import load_file
+
+    from posttrain.cli import main
+
+    rows = [{"prompt": "1+1=" if i % 4 else "Add these numbers with care, please: 1+1=",
+             "completion": "2"} for i in range(8)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def run(out, steps, *extra):
+        assert main(["sft", "--model", tiny_model_dir, "--data", str(tmp_path / "d.jsonl"),
+                     "--batch_size", "4", "--max_steps", str(steps), "--save_every", "2",
+                     "--lr_schedule", "constant", "--warmup_ratio", "0", "--device", "cpu",
+                     "--tensorboard", "false", "--output_dir", str(out), *extra]) == 0
+
+    run(tmp_path / "whole", 4)
+    run(tmp_path / "cut", 4, "--resume_from", str(tmp_path / "whole" / "checkpoint-2"))
+    assert capsys.readouterr().err.count("packing: on (automatic") == 2
+    a, b = (load_file(str(tmp_path / d / "final" / "model.safetensors")) for d in ("whole", "cut"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
