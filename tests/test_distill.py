@@ -87,6 +87,35 @@ def test_the_trainers_divergence_is_the_formulas_on_each_models_logits(tiny_mode
     t.close()
 
 
+@pytest.mark.parametrize("budget", [None, 28])
+def test_packed_rows_give_the_padded_divergences(tiny_model_dir, tmp_path, budget):
+    """Packed (``--packing``, or chosen per step), the divergences and log-probs of every
+    sampled token are the padded batch's, to the float32 bound of two forwards in another
+    layout (as above)."""
+    from posttrain.trainers.online.batch import TokenBatch
+
+    t = _trainer(tiny_model_dir, str(builtin_model_dir()), tmp_path, beta=0.5)
+    exp, padded, rows = _step_inputs(t)
+    packed = TokenBatch(exp.local, t.tok.pad_token_id, t.device, False, 1.0, packing=True,
+                        budget=budget)
+    assert packed.packing and len(packed._pack(rows)[0]["input_ids"]) < len(rows)  # (shared)
+    calls, pack = [], packed._pack
+    packed._pack = lambda r: calls.append(r) or pack(r)  # (the packed layout is the one run)
+    with torch.no_grad():
+        (div_a, lp_a), (div_b, lp_b) = (x._per_token(x_tokens, rows) for x, x_tokens in
+                                        ((t, padded), (t, packed)))
+        ids = padded.full["input_ids"][rows]
+        stages = max(model_stages(m.config, False) for m in (t.policy, t.teacher)) + 2
+        bound = pair_bound(stages, max(model_inner(m.config, ids.numel())
+                                       for m in (t.policy, t.teacher)))
+        lp_scale = logprob_scale(t.policy(input_ids=ids).logits)
+        div_scale = lp_scale + logprob_scale(t.teacher(input_ids=ids).logits)
+    assert len(calls) == 1
+    assert_within(div_b, div_a, bound, div_scale, "divergence")
+    assert_within(lp_b, lp_a, bound, lp_scale, "log-prob")
+    t.close()
+
+
 def test_the_chunked_head_path_is_the_plain_one(tiny_model_dir, tmp_path, monkeypatch):
     """Chunked (each chunk's logits recomputed in the backward) against the whole logits:
     the same divergences and the same gradient, to float32 rounding."""

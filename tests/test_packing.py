@@ -366,10 +366,16 @@ def test_sft_packs_a_long_tailed_dataset_by_itself(tiny_model_dir, tmp_path, cap
     assert len(steps) == 2 and all(math.isfinite(s["train/loss"]) for s in steps)
 
 
-@pytest.mark.parametrize("command", ["rm", "dpo"])
+@pytest.mark.parametrize(("command", "extra", "said"), [
+    ("rm", [], "packing: on (automatic"),
+    ("dpo", [], None),  # (its shared-prompt layout, automatic too, is kept)
+    ("dpo", ["--max_tokens_per_micro_batch", "64"], "packing: off (automatic: another layout"),
+    ("dpo", ["--share_prompt", "false"], "packing: on (automatic")])
 def test_pairs_pack_by_themselves_where_padding_dominates(tiny_model_dir, tmp_path, capsys,
-                                                          command):
-    """rm and dpo decide as sft does, a pair counted as one group of two sequences."""
+                                                          command, extra, said):
+    """rm decides as sft does, a pair counted as one group of two sequences; dpo too, unless
+    its prompts are shared (automatic: wherever that pays, as on the tiny model), and an
+    unused budget is said."""
     from posttrain.cli import main
 
     rows = [{"prompt": "1+1=" if i % 4 else "Add these numbers with care, please: 1+1=",
@@ -377,8 +383,9 @@ def test_pairs_pack_by_themselves_where_padding_dominates(tiny_model_dir, tmp_pa
     (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert main([command, "--model", tiny_model_dir, "--data", str(tmp_path / "p.jsonl"),
                  "--batch_size", "4", "--max_steps", "1", "--device", "cpu", "--tensorboard",
-                 "false", "--output_dir", str(tmp_path / "run")]) == 0
-    assert f"[{command}] packing: on (automatic" in capsys.readouterr().err
+                 "false", "--output_dir", str(tmp_path / "run"), *extra]) == 0
+    err = [x for x in capsys.readouterr().err.splitlines() if "packing:" in x]
+    assert err == ([] if said is None else [err[0]]) and (said is None or said in err[0]), err
 
 
 def _rollout(completion_lengths):

@@ -11,7 +11,8 @@ more than the padded one's."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterator, Sequence
 
 PACK_BELOW = 0.9
 """Pack when the packed micro-batches would run at most this fraction of the padded ones'
@@ -58,3 +59,27 @@ def decide_packing(setting: bool | None, budget: int | None,
         a, b = layout_tokens(mb, cap)
         padded, packed = padded + a, packed + b
     return packed <= PACK_BELOW * padded, cap
+
+
+def decide_for_data(command: str, setting: bool | None, automatic: bool, budget: int | None,
+                    groups: Sequence[Sequence[int]], order: Iterator[int], batch_size: int
+                    ) -> tuple[bool, int | None]:
+    """An offline run's ``(packing, budget)``: :func:`decide_packing` over the first
+    :data:`SAMPLED_MICRO_BATCHES` micro-batches of ``batch_size`` examples drawn from
+    ``order`` (the run's own; whole micro-batches, so every world decides alike), each
+    example's ``groups`` entry the lengths of its sequences. ``automatic``: the user left
+    packing unset (``setting`` may still be False: another layout was chosen); the choice
+    is then said in one line on the main rank when it packs or a budget goes unused."""
+    from posttrain import dist
+
+    micro = [[groups[next(order)] for _ in range(batch_size)]
+             for _ in range(SAMPLED_MICRO_BATCHES if groups and setting is None else 0)]
+    on, budget = decide_packing(setting, budget, micro, max(map(sum, groups), default=0))
+    if automatic and (on or budget is not None) and dist.is_main():
+        saves = f"saves at least {1 - PACK_BELOW:.0%} of the tokens"
+        print(f"[{command}] packing: " + (
+            f"on (automatic: it {saves}), rows of up to {budget} tokens" if on else
+            "off (automatic: another layout is used, or packing saves under "
+            f"{1 - PACK_BELOW:.0%} of the tokens); max_tokens_per_micro_batch unused"),
+            file=sys.stderr, flush=True)
+    return on, budget

@@ -8,7 +8,6 @@ the step is cut into micro-batches; the run loop (:mod:`.loop`) does everything 
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch
@@ -132,25 +131,23 @@ class OfflineJob(Job):
 
     sequences_per_example = 1  # (a preference pair's 2 share a packed row)
 
+    def shares_prompts(self) -> bool:
+        """Whether ``share_prompt`` left automatic takes the shared layout (DPO)."""
+        return False
+
     def _decide_packing(self) -> tuple[bool, int | None]:
         """``--packing`` as set, or automatic: from the lengths of the run's first
         micro-batches in its own order (:func:`posttrain.packing.decide_packing`); off where
-        another layout was chosen (``share_prompt=true``, a load-balancing loss)."""
+        another layout is chosen (shared prompts, a load-balancing loss)."""
         cfg = self.cfg
         setting = (False if cfg.packing is None and (getattr(cfg, "share_prompt", None)
-                                                     or self.aux_coef) else cfg.packing)
+                                                     or self.aux_coef or self.shares_prompts())
+                   else cfg.packing)
         groups = [[len(e.prompt) + len(c) for c in e.completions[:self.sequences_per_example]]
                   for e in self.train_examples]
-        order = ExampleStream(len(groups), cfg.seed)  # (whole micro-batches: any world)
-        micro = [[groups[next(order)] for _ in range(cfg.batch_size)] for _ in range(
-            packing.SAMPLED_MICRO_BATCHES if groups and setting is None else 0)]
-        on, budget = packing.decide_packing(setting, cfg.max_tokens_per_micro_batch, micro,
-                                            max(map(sum, groups), default=0))
-        if setting is None and on and dist.is_main():
-            print(f"[{cfg.COMMAND}] packing: on (automatic; the padding of this data "
-                        f"costs at least {1 - packing.PACK_BELOW:.0%} of the tokens), rows of "
-                        f"up to {budget} tokens", file=sys.stderr, flush=True)
-        return on, budget
+        return packing.decide_for_data(cfg.COMMAND, setting, cfg.packing is None,
+                                       cfg.max_tokens_per_micro_batch, groups,
+                                       ExampleStream(len(groups), cfg.seed), cfg.batch_size)
 
     # --- what a subclass provides ------------------------------------------------------------
     def collate(self, examples: list) -> dict:
@@ -303,6 +300,10 @@ class RewardTrainer(OfflineJob):
 class DPOTrainer(OfflineJob):
     sequences_per_example = 2
     progress_keys = (("loss", "train/loss"), ("reward acc", "train/reward_accuracy"))
+
+    def shares_prompts(self) -> bool:  # (left automatic: where it pays)
+        return (self.cfg.share_prompt is None and self.cfg.context_parallel <= 1
+                and decide_share_prompt(None, self.model))
 
     def __init__(self, cfg, model, tokenizer, train_examples, eval_examples, ref_model):
         super().__init__(cfg, model, tokenizer, train_examples, eval_examples)

@@ -163,28 +163,34 @@ class DistillTrainer(RLTrainer):
         chunk's logits recomputed in the backward (:func:`torch.utils.checkpoint`), once the
         logits would reach the fused head's size (``FUSED_HEAD_MIN_ELEMENTS``): the
         vocabulary-sized logits of both models are never held whole. Sharded (FSDP2), the
-        heads run whole on the micro-batch."""
+        heads run whole on the micro-batch. Packed (``tokens.packing``), the rows run
+        without padding: the completions' tokens come in the same order."""
         ids, attn, target = (tokens.full[k][local] for k in ("input_ids", "attention_mask",
                                                              "loss_mask"))
+        pos = None
+        if tokens.packing:
+            packed = tokens._pack(local)[0]
+            ids, attn, target, pos = (packed["input_ids"], None, packed["loss_mask"],
+                                      packed["position_ids"])
         labels = tokens.completion_ids[local][tokens.completion_mask[local].bool()]
         if not (has_plain_head(self.policy) and has_plain_head(self.teacher)):
             with torch.no_grad():
-                teacher = self.teacher(input_ids=ids, attention_mask=attn, use_cache=False
-                                       ).logits[:, :-1][target[:, 1:].bool()]
-            student = self.policy(input_ids=ids, attention_mask=attn, use_cache=False
-                                  ).logits[:, :-1][target[:, 1:].bool()]
+                teacher = self.teacher(input_ids=ids, attention_mask=attn, position_ids=pos,
+                                       use_cache=False).logits[:, :-1][target[:, 1:].bool()]
+            student = self.policy(input_ids=ids, attention_mask=attn, position_ids=pos,
+                                  use_cache=False).logits[:, :-1][target[:, 1:].bool()]
             return self._chunk(student, teacher, labels)
         if context_parallel.active(self.policy):  # each rank its own columns' tokens
             with torch.no_grad():
-                h_teacher, split = context_parallel.backbone_hidden(self.teacher, ids, attn)
-            h_student, split = context_parallel.backbone_hidden(self.policy, ids, attn)
+                h_teacher, split = context_parallel.backbone_hidden(self.teacher, ids, attn, pos)
+            h_student, split = context_parallel.backbone_hidden(self.policy, ids, attn, pos)
             local = split.local(target[:, 1:].bool(), False)
             div, lp = self._heads(h_student[local], h_teacher[local],
                                   split.local(ids[:, 1:])[local])
             return tuple(split.gather_rows(x, local, target[:, 1:].bool()) for x in (div, lp))
         with torch.no_grad():
-            h_teacher = completion_hidden(self.teacher, ids, attn, target)
-        h_student = completion_hidden(self.policy, ids, attn, target)
+            h_teacher = completion_hidden(self.teacher, ids, attn, target, pos)
+        h_student = completion_hidden(self.policy, ids, attn, target, pos)
         return self._heads(h_student, h_teacher, labels)
 
     def _heads(self, h_student: torch.Tensor, h_teacher: torch.Tensor, labels: torch.Tensor
