@@ -359,15 +359,8 @@ def pack_sequences(prompts: list[list[int]], completions: list[list[int]], pad_i
               for p, c, t in zip(prompts, completions, trained or [None] * len(prompts),
                                  strict=True)]
     groups = together if together is not None else [[i] for i in range(len(lengths))]
-    rows: list[list[int]] = []
-    used = 0
-    for group in groups:
-        n = sum(lengths[i] for i in group)
-        if not rows or (budget is not None and used + n > budget):
-            rows.append([])
-            used = 0
-        rows[-1].extend(group)
-        used += n
+    rows = [[i for g in row for i in groups[g]] for row in
+            packed_rows([sum(lengths[i] for i in g) for g in groups], budget)]
     T = max(sum(lengths[i] for i in row) for row in rows)
     out = {k: torch.full((len(rows), T), v, dtype=torch.long)
            for k, v in (("input_ids", pad_id), ("position_ids", 0), ("loss_mask", 0),
@@ -385,6 +378,20 @@ def pack_sequences(prompts: list[list[int]], completions: list[list[int]], pad_i
             at += n
         out["position_ids"][r, at:] = torch.arange(T - at)
     return out
+
+
+def packed_rows(sizes: list[int], budget: int | None) -> list[list[int]]:
+    """The rows :func:`pack_sequences` lays items of ``sizes`` tokens out in: indices in
+    order, a new row when the next item would pass ``budget`` (None: one row)."""
+    rows: list[list[int]] = []
+    used = 0
+    for i, n in enumerate(sizes):
+        if not rows or (budget is not None and used + n > budget):
+            rows.append([])
+            used = 0
+        rows[-1].append(i)
+        used += n
+    return rows
 
 
 def per_sequence(values: torch.Tensor, sequence_ids: torch.Tensor, n: int) -> torch.Tensor:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator, Sequence
 
+from posttrain.data import packed_rows
+
 PACK_BELOW = 0.9
 """Pack when the packed micro-batches would run at most this fraction of the padded ones'
 tokens. A step's time follows its tokens (a random ~6M Llama, 16 sequences, 2 cores: tokens
@@ -31,15 +33,9 @@ def layout_tokens(groups: Sequence[Sequence[int]], budget: int | None) -> tuple[
     :func:`posttrain.data.pack_sequences` packs: in order, a new row when the next group
     would pass ``budget``."""
     lengths = [n for g in groups for n in g]
-    padded = len(lengths) * max(lengths)
-    rows, used, longest = 0, 0, 0
-    for g in groups:
-        n = sum(g)
-        if rows == 0 or (budget is not None and used + n > budget):
-            rows, used = rows + 1, 0
-        used += n
-        longest = max(longest, used)
-    return padded, rows * longest
+    sizes = [sum(g) for g in groups]
+    rows = packed_rows(sizes, budget)
+    return len(lengths) * max(lengths), len(rows) * max(sum(sizes[i] for i in r) for r in rows)
 
 
 def decide_packing(setting: bool | None, budget: int | None,
