@@ -2,6 +2,7 @@
 end to end through the same loop; dynamic sampling, zero-advantage skipping, reward errors
 and the micro-batch invariance of the gradient."""
 
+import itertools
 import json
 
 import pytest
@@ -122,7 +123,9 @@ def test_reward_error_skip_counts_samples(tiny_model_dir, tmp_path, rl_files):
 def test_gradient_independent_of_micro_batching(tiny_model_dir, tmp_path, rl_files, algo,
                                                 share):
     """One minibatch of 64 samples: micro-batches of 64, 16 and 1 give the same gradient,
-    with full sequences and with each group's prompt shared by its completions."""
+    with full sequences and with each group's prompt shared by its completions; and full
+    sequences packed in token-budget micro-batches (``--max_tokens_per_micro_batch``), cut
+    by tokens rather than by count."""
     from posttrain.trainers.online import TokenBatch
     from posttrain.trainers.online.update import accumulate_policy_gradient
 
@@ -148,11 +151,26 @@ def test_gradient_independent_of_micro_batching(tiny_model_dir, tmp_path, rl_fil
         accumulate_policy_gradient(policy, algo_rec, tokens, mask, idx, adv, old * 0.999, ref,
                                    live, torch.arange(len(adv)), micro, max_new_tokens=4)
         grads.append(torch.cat([p.grad.flatten() for p in policy.parameters()]))
+    if not share:  # packed, in forwards of at most ~3 sequences' tokens, cut by tokens
+        from posttrain.trainers.online.update import micro_batches
+
+        budget = 3 * int(tokens.lengths(idx).max())
+        packed = TokenBatch(exp.rollout, trainer.tok.pad_token_id, "cpu", False, packing=True,
+                            budget=budget)
+        parts = micro_batches(idx, 64, policy, packed)
+        assert torch.equal(torch.cat(parts), idx) and len(parts) > 1  # in order, each once
+        assert all(int(packed.lengths(p).sum()) <= budget for p in parts)
+        assert all(int(packed.lengths(torch.cat([p, q[:1]])).sum()) > budget
+                   for p, q in itertools.pairwise(parts))  # (each as full as the next allows)
+        policy.zero_grad()
+        accumulate_policy_gradient(policy, algo_rec, packed, mask, idx, adv, old * 0.999, ref,
+                                   live, torch.arange(len(adv)), 64, max_new_tokens=4)
+        grads.append(torch.cat([p.grad.flatten() for p in policy.parameters()]))
     assert grads[0].abs().max() > 0
     # float64 (the policy above): rounding differs at ~1e-13 of the terms, so this stays
     # loose and exact in effect; any kernel's rounding is 1e6x below it
-    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=1e-6)
-    torch.testing.assert_close(grads[2], grads[0], rtol=0, atol=1e-6)
+    for g in grads[1:]:
+        torch.testing.assert_close(g, grads[0], rtol=0, atol=1e-6)
 
 
 def test_shared_prompt_layout_equals_full_sequences(tiny_model_dir, tmp_path, rl_files):

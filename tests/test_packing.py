@@ -440,3 +440,83 @@ def test_automatic_packing_resumes_exactly(tiny_model_dir, tmp_path, capsys):
     assert capsys.readouterr().err.count("packing: on (automatic") == 2
     a, b = (load_file(str(tmp_path / d / "final" / "model.safetensors")) for d in ("whole", "cut"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _record_backbone_calls(monkeypatch) -> list[tuple[bool, tuple]]:
+    """Every call of the Llama backbone from now on: (gradient on, input shape)."""
+    from transformers.models.llama import modeling_llama
+
+    calls: list[tuple[bool, tuple]] = []
+    forward = modeling_llama.LlamaModel.forward
+
+    def recording(self, input_ids=None, *args, **kwargs):
+        if input_ids is not None:
+            calls.append((torch.is_grad_enabled(), tuple(input_ids.shape)))
+        return forward(self, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(modeling_llama.LlamaModel, "forward", recording)
+    return calls
+
+
+@pytest.mark.parametrize("command", ["sft", "dpo"])
+def test_a_token_budget_bounds_every_offline_forward(tiny_model_dir, tmp_path, monkeypatch,
+                                                     command):
+    """``--packing true --max_tokens_per_micro_batch N``: the step's examples (all 8 of the
+    data: one epoch) run in forwards of one packed row of at most N tokens each, as many as
+    next-fit over the step's examples needs (more than ``grad_accum``: cut by tokens, not
+    by count), every example's tokens exactly once; DPO's reference pass alike."""
+    from posttrain.cli import main
+    from posttrain.data import encode_pairs, encode_sft, packed_rows
+    from posttrain.models import load_tokenizer
+
+    budget = 40
+    if command == "sft":
+        rows = [{"prompt": f"{a * 37 % 1000}+{a}" + "1" * (a % 4 * 3) + "=",
+                 "completion": str(a * 38 % 1000)} for a in range(8)]
+    else:
+        rows = [{"prompt": f"{a}+{a}" + "0" * (a % 3 * 2) + "=", "chosen": str(2 * a),
+                 "rejected": str(2 * a + 1) * (1 + a % 2)} for a in range(8)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tok = load_tokenizer(tiny_model_dir)
+    encode = encode_sft if command == "sft" else encode_pairs
+    examples = encode(tok, "d.jsonl", [{**r, "_row": i + 1} for i, r in enumerate(rows)], 512,
+                      "error")
+    sizes = [sum(len(e.prompt) + len(c) for c in e.completions) for e in examples]
+    assert max(sizes) <= budget < sum(sizes) / 2  # (each fits; a step needs several)
+    calls = _record_backbone_calls(monkeypatch)
+    assert main([command, "--model", tiny_model_dir, "--data", str(tmp_path / "d.jsonl"),
+                 "--batch_size", "4", "--grad_accum", "2", "--max_steps", "1", "--device",
+                 "cpu", "--tensorboard", "false", "--packing", "true",
+                 "--max_tokens_per_micro_batch", str(budget),
+                 "--output_dir", str(tmp_path / "run")]) == 0
+    trained = [shape for grad, shape in calls if grad]
+    assert all(rows_ == 1 and n <= budget for rows_, n in trained), trained
+    assert sum(n for _, n in trained) == sum(sizes)  # every example once, no padding
+    assert len(trained) >= len(packed_rows(sorted(sizes), budget)) > 2  # (> grad_accum)
+    # dpo: the reference's log-likelihoods, computed once over the data (precompute_ref),
+    # in forwards of the same bound
+    reference = [shape for grad, shape in calls if not grad]
+    assert all(rows_ == 1 and n <= budget for rows_, n in reference), reference
+    assert sum(n for _, n in reference) == (sum(sizes) if command == "dpo" else 0)
+
+
+def test_a_token_budget_bounds_every_rl_forward(tmp_path, monkeypatch):
+    """The RL trainers: with a budget every forward of the update and of the old and
+    reference passes (a KL term, several minibatches) is one packed row of at most N
+    tokens, where the step's samples would exceed it."""
+    from posttrain.cli import main
+
+    budget = 48
+    calls = _record_backbone_calls(monkeypatch)
+    out = tmp_path / "run"
+    assert main(["grpo", "--share_prompt", "false", "--packing", "true",
+                 "--max_tokens_per_micro_batch", str(budget), "--kl_coef", "0.05",
+                 "--max_steps", "1", "--prompts_per_step", "4", "--group_size", "4",
+                 "--minibatch_size", "8", "--builtin_train_size", "16",
+                 "--builtin_eval_size", "4", "--eval_every", "0", "--device", "cpu",
+                 "--tensorboard", "false", "--output_dir", str(out)]) == 0
+    packed = [shape for _, shape in calls if shape[0] == 1 and shape[1] > 1]
+    trained = [shape for grad, shape in calls if grad]
+    assert trained and all(shape in packed for shape in trained)
+    assert all(n <= budget for _, n in packed), packed
+    assert sum(n for _, n in trained) > 2 * budget  # (the step alone would not fit)

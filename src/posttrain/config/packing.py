@@ -20,9 +20,12 @@ class PackingFields:
     so per step for full sequences (rows capped at the step's longest), and leave the
     shared-prompt layout as it is (docs/scaling.md)."""
     max_tokens_per_micro_batch: int | None = None
-    """packing: the most tokens a packed row holds (None: a micro-batch is one row, or with
-    automatic packing a row as long as the data's longest sequence or pair; a longer
-    sequence, or pair, has a row of its own)."""
+    """packing: the token budget of a forward. The step's examples (sft, rm, dpo; this
+    rank's share under torchrun), or an RL minibatch's and each scoring pass's sequences,
+    are cut in order into packed rows of at most N tokens, one row per forward and
+    backward, whatever batch_size or micro_batch_size say; a longer sequence, or pair,
+    runs alone. None: a micro-batch is one row, or with automatic packing rows as long as
+    the data's longest sequence or pair, a micro-batch's rows in one forward."""
 
     def _check_packing(self) -> None:
         # (with packing left at none a budget caps the rows of the packing decided)

@@ -34,6 +34,7 @@ from posttrain.models import (
 from posttrain.sharding import compute_device
 from posttrain.trainers import loop, trained
 from posttrain.trainers.loop import Job, Optim, StepResult
+from posttrain.trainers.order import ExampleStream
 
 # --- data ------------------------------------------------------------------------------------
 
@@ -76,32 +77,6 @@ def _pair_batch(examples: list[data_mod.Encoded], pad_id: int, share_prompt: boo
     return batch
 
 
-class ExampleStream:
-    """Endless shuffled passes over ``n`` examples (seeded): the data order of a run. Its
-    state is the count of examples drawn, from which a resumed run rebuilds the same
-    order."""
-
-    def __init__(self, n: int, seed: int, drawn: int = 0):
-        self.n, self.seed = n, seed
-        self.gen = torch.Generator().manual_seed(seed)
-        self.order: list[int] = []
-        self.drawn = 0
-        for _ in range(drawn // n):
-            torch.randperm(n, generator=self.gen)  # the epochs already done
-        self.drawn = drawn - drawn % n
-        for _ in range(drawn % n):
-            next(self)
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> int:
-        if not self.order:
-            self.order = torch.randperm(self.n, generator=self.gen).tolist()[::-1]
-        self.drawn += 1
-        return self.order.pop()
-
-
 # --- jobs ------------------------------------------------------------------------------------
 
 class OfflineJob(Job):
@@ -128,6 +103,9 @@ class OfflineJob(Job):
             raise ConfigError("router_aux_loss_coef with context_parallel is not supported yet "
                               "(the load-balancing loss counts each forward's own tokens)")
         self.packing, self.budget = self._decide_packing()
+        self.forward_tokens = cfg.max_tokens_per_micro_batch if self.packing else None
+        """Packing with ``max_tokens_per_micro_batch`` N: each forward is one packed row of
+        at most N tokens (:meth:`_forwards`), cut from the whole step's examples."""
 
     sequences_per_example = 1  # (a preference pair's 2 share a packed row)
 
@@ -166,21 +144,43 @@ class OfflineJob(Job):
         return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v
                 for k, v in batch.items()}
 
+    def _size(self, example) -> int:
+        """The tokens an example's sequences take in a packed row."""
+        return sum(len(example.prompt) + len(c)
+                   for c in example.completions[:self.sequences_per_example])
+
+    def _forwards(self, examples: list, batch_size: int) -> list[list]:
+        """``examples`` as the forwards that run them: ``batch_size`` at a time, or with
+        :attr:`forward_tokens` N runs of examples of at most N tokens in all (one packed
+        row each; an example longer than N alone)."""
+        if self.forward_tokens is None:
+            return [examples[i:i + batch_size] for i in range(0, len(examples), batch_size)]
+        rows = data_mod.packed_rows([self._size(e) for e in examples], self.forward_tokens)
+        return [[examples[i] for i in row] for row in rows]
+
     def batches(self, examples: list, batch_size: int):
-        for i in range(0, len(examples), batch_size):
-            yield self.to_device(self.collate(examples[i:i + batch_size]))
+        for chunk in self._forwards(examples, batch_size):
+            yield self.to_device(self.collate(chunk))
 
     def step(self, step: int) -> StepResult:
-        """One optimiser step over ``grad_accum`` micro-batches of ``batch_size`` examples.
-        Under torchrun each rank takes its share of every micro-batch (all ranks draw the
-        same order); the loss is normalised by the units of the whole step across ranks and
+        """One optimiser step over ``grad_accum`` micro-batches of ``batch_size`` examples
+        (with a token budget, the step's examples in forwards of at most N tokens). Under
+        torchrun each rank takes its share of every micro-batch (all ranks draw the same
+        order); the loss is normalised by the units of the whole step across ranks and
         the gradients are summed across ranks (in :class:`Optim`), so the update is the one
         a single process computes."""
         cfg = self.cfg
         self.model.train()
-        micro = [self.to_device(self.collate(self._mine([self.train_examples[next(self.stream)]
-                                                         for _ in range(cfg.batch_size)])))
+        drawn = [[self.train_examples[next(self.stream)] for _ in range(cfg.batch_size)]
                  for _ in range(cfg.grad_accum)]
+        if self.forward_tokens is None:
+            micro = [self.to_device(self.collate(self._mine(mb))) for mb in drawn]
+        else:  # the step's share of this rank, in forwards of at most N tokens
+            micro = list(self.batches(self._mine([e for mb in drawn for e in mb]), cfg.batch_size))
+        # sharded (FSDP2), every forward is a collective: the ranks run as many (the extra
+        # ones on one example, with zero weight)
+        for _ in range(sharding.lockstep(len(micro), self.model) - len(micro)):
+            (self.loss(self.to_device(self.collate(drawn[0][:1])))[0] * 0).backward()
         step_units, tokens = dist.data_sum([sum(self.units(b) for b in micro),
                                               sum(_completion_tokens(b) for b in micro)])
         sums: dict[str, torch.Tensor] = {}
@@ -324,8 +324,7 @@ class DPOTrainer(OfflineJob):
 
     @torch.no_grad()
     def _cache_reference(self, examples):
-        for i in range(0, len(examples), self.cfg.eval_batch_size):
-            chunk = examples[i:i + self.cfg.eval_batch_size]
+        for chunk in self._forwards(examples, self.cfg.eval_batch_size):
             batch = self.to_device(self.collate(chunk, with_ref=False))
             ref = self._reference_logps(batch).cpu()
             for j, e in enumerate(chunk):

@@ -78,6 +78,14 @@ class TokenBatch:
         packed they would run at most :data:`~posttrain.packing.PACK_BELOW` of this batch's
         padded tokens, rows capped at its longest sequence): each pass packs its rows
         (:meth:`_pack`)."""
+        self.forward_tokens = budget if self.packing else None
+        """The ``max_tokens_per_micro_batch`` given, where the batch packs: the most tokens
+        one forward of the update and of the passes runs (one packed row; see
+        :func:`~posttrain.trainers.online.update.micro_batches`)."""
+
+    def lengths(self, rows: torch.Tensor) -> torch.Tensor:
+        """The full sequences' tokens of ``rows`` (full-sequence layout)."""
+        return self.full["attention_mask"][rows].sum(-1)
 
     def __len__(self) -> int:
         return len(self.completion_ids)

@@ -35,7 +35,7 @@ from posttrain.trainers.loop.job import StepResult
 from posttrain.trainers.online.batch import TokenBatch
 from posttrain.trainers.online.metrics import sample_metrics
 from posttrain.trainers.online.trainer import RLTrainer
-from posttrain.trainers.online.update import _keep_step, _micro_starts
+from posttrain.trainers.online.update import _keep_step, micro_batches
 
 
 class DistillTrainer(RLTrainer):
@@ -134,8 +134,7 @@ class DistillTrainer(RLTrainer):
         cfg = self.cfg
         rows = idx[local_of[idx] >= 0]
         total = 0.0
-        for i in _micro_starts(len(rows), cfg.micro_batch_size, self.policy):
-            mb = rows[i:i + cfg.micro_batch_size]
+        for mb in micro_batches(rows, cfg.micro_batch_size, self.policy, tokens, local_of):
             if not len(mb):
                 # (sharded: the batch holds every row, so any row stands in)
                 _keep_step(lambda: self._per_token(tokens, idx[:1])[0])

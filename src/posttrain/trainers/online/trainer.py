@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from posttrain import dist, fast, sharding
+from posttrain import dist, fast
 from posttrain.config import ConfigError, PPOConfig, RLConfig
 from posttrain.core import AdaptiveKLController, FixedKLController
 from posttrain.core.algorithms import compute_advantages
@@ -62,7 +62,7 @@ from posttrain.trainers.online.inputs import rl_rows
 from posttrain.trainers.online.metrics import logprob_gap, sample_table, step_metrics
 from posttrain.trainers.online.shaping import ScoreShaper
 from posttrain.trainers.online.sides import sampler_side
-from posttrain.trainers.online.update import UpdateInputs, run_updates
+from posttrain.trainers.online.update import UpdateInputs, micro_batches, run_updates
 
 log = logging.getLogger(__name__)
 
@@ -348,15 +348,12 @@ class RLTrainer(Job):
         # the rows of ``tokens`` to compute: sharded, it holds every sample
         rows = own if self.dealt else torch.arange(len(own), device=self.device)
 
-        def whole(model, run):
-            if model is None:
+        def whole(model, run):  # one forward, or forwards of at most the token budget;
+            if model is None:  # sharded, as many as any rank (extras on one row, discarded)
                 return None
-            if len(rows):
-                local = run(model, rows)
-            else:
-                local = mask.new_zeros((0, mask.shape[1]))
-                if sharding.is_sharded(model):  # one forward, as every other rank makes
-                    run(model, torch.zeros(1, dtype=torch.long, device=self.device))
+            outs = [run(model, r) if len(r) else run(model, rows.new_zeros(1))[:0]
+                    for r in micro_batches(rows, max(len(rows), 1), model, tokens)]
+            local = torch.cat(outs) if outs else mask.new_zeros((0, mask.shape[1]))
             return dist.assemble(local.float(), own, len(mask))
 
         with torch.no_grad():

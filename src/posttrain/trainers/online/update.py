@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from posttrain import data as data_mod
 from posttrain import dist, sharding
 from posttrain.core import aggregate_loss, masked_mean, step_normalizer, value_loss
 from posttrain.core.algorithms import Algorithm, PolicyInputs, policy_objective
@@ -51,10 +52,20 @@ def _own_live_rows(idx: torch.Tensor, live: torch.Tensor, local_of: torch.Tensor
     return rows[local_of[rows] >= 0]
 
 
-def _micro_starts(n_rows: int, size: int, model) -> range:
-    """The first row of each micro-batch; for a sharded model as many as the rank with the
-    most (the ones past ``n_rows`` are empty: see :func:`_keep_step`)."""
-    return range(0, sharding.lockstep(-(-n_rows // size), model) * size, size)
+def micro_batches(rows: torch.Tensor, size: int, model, tokens: TokenBatch | None,
+                  local_of: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """``rows`` cut into micro-batches: ``size`` rows each, or where ``tokens`` runs
+    token-budget forwards (:attr:`TokenBatch.forward_tokens`), runs of rows of at most its
+    budget in all (``local_of`` maps ``rows`` to the batch's rows). For a sharded model as
+    many as the rank with the most: the extra ones, last, are empty (see
+    :func:`_keep_step`)."""
+    if tokens is not None and tokens.forward_tokens is not None and len(rows):
+        local = rows if local_of is None else local_of[rows]
+        parts = [rows[torch.tensor(r, device=rows.device)] for r in data_mod.packed_rows(
+            tokens.lengths(local).tolist(), tokens.forward_tokens)]
+    else:
+        parts = [rows[i:i + size] for i in range(0, len(rows), size)]
+    return parts + [rows[:0]] * (sharding.lockstep(len(parts), model) - len(parts))
 
 
 def _keep_step(forward) -> None:
@@ -81,15 +92,16 @@ def accumulate_policy_gradient(policy, algo: Algorithm, tokens: TokenBatch, mask
     n_tokens = max(float(mask[idx].sum()), 1.0)
     rows = _own_live_rows(idx, live, local_of)
     sums: dict[str, float] = {"loss": 0.0}
-    for i in _micro_starts(len(rows), micro_batch_size, policy):
-        mb = rows[i:i + micro_batch_size]
+    parts = micro_batches(rows, micro_batch_size, policy, tokens, local_of)
+    n_real = sum(1 for mb in parts if len(mb))
+    for j, mb in enumerate(parts):
         if not len(mb):
             _keep_step(lambda: tokens.logprobs(policy, idx[:1]))
             continue
         # the last micro-batch is the sampler cache's last use: the optimizer step that
         # follows changes the policy
         lp, ent = tokens.logprobs(policy, local_of[mb], with_entropy=True, reuse=True,
-                                  last_use=i + micro_batch_size >= len(rows))
+                                  last_use=j + 1 == n_real)
         old_mb = lp.detach() if old is None else old[mb]
         if recorded is not None:
             recorded[0][mb], recorded[1][mb] = old_mb.to(recorded[0].dtype), True
@@ -142,8 +154,7 @@ def accumulate_value_gradient(critic, algo: Algorithm, tokens: TokenBatch, mask:
     norm = step_normalizer(mask[idx], "token_mean")
     rows = _own_live_rows(idx, live, local_of)
     sums: dict[str, float] = {"value_loss": 0.0, "value_clip_frac": 0.0}
-    for i in _micro_starts(len(rows), micro_batch_size, critic):
-        mb = rows[i:i + micro_batch_size]
+    for mb in micro_batches(rows, micro_batch_size, critic, tokens, local_of):
         if not len(mb):
             _keep_step(lambda: tokens.values(critic, idx[:1]))
             continue
