@@ -34,7 +34,7 @@ def lengths(args) -> list[int]:
 
 
 def child(args) -> None:
-    from posttrain.data import pack_sequences, pad_sequences
+    from posttrain.data import pack_sequences, packed_rows, pad_sequences
     from posttrain.models import completion_logprobs, load_causal_lm
 
     torch.set_num_threads(args.threads)
@@ -46,20 +46,26 @@ def child(args) -> None:
         prompts.append(ids[:n // 4])
         completions.append(ids[n // 4:])
     if args.layout == "padded":
-        batch = pad_sequences(prompts, completions, 0)
+        forwards = [pad_sequences(prompts, completions, 0)]
+    elif args.budget > 0:  # a token budget: one packed row per forward, as the trainers run it
+        forwards = [pack_sequences([prompts[i] for i in row], [completions[i] for i in row], 0)
+                    for row in packed_rows(lengths(args), args.budget)]
     else:
-        budget = max(lengths(args)) if args.budget < 0 else args.budget or None
-        batch = pack_sequences(prompts, completions, 0, budget=budget)
+        budget = max(lengths(args)) if args.budget < 0 else None
+        forwards = [pack_sequences(prompts, completions, 0, budget=budget)]
     times = []
     for _ in range(args.repeats):
         model.zero_grad(set_to_none=True)
         t = time.perf_counter()
-        lp = completion_logprobs(model, batch["input_ids"], batch.get("attention_mask"),
-                                 batch["loss_mask"], position_ids=batch.get("position_ids"))
-        lp.sum().backward()
+        for batch in forwards:
+            lp = completion_logprobs(model, batch["input_ids"], batch.get("attention_mask"),
+                                     batch["loss_mask"], position_ids=batch.get("position_ids"))
+            lp.sum().backward()
         times.append(time.perf_counter() - t)
-    print(json.dumps({"layout": args.layout, "rows": list(batch["input_ids"].shape),
-                      "tokens": int(batch["input_ids"].numel()),
+    print(json.dumps({"layout": args.layout, "forwards": len(forwards),
+                      "rows": [sum(len(b["input_ids"]) for b in forwards),
+                               max(b["input_ids"].shape[1] for b in forwards)],
+                      "tokens": sum(int(b["input_ids"].numel()) for b in forwards),
                       "real_tokens": sum(map(len, prompts)) + sum(map(len, completions)),
                       "median_s": round(statistics.median(times), 3),
                       "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -75,8 +81,10 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--budget", type=int, default=0,
-                    help="packed rows' token budget (0: one row; -1: the longest sequence, "
-                    "as automatic packing caps them)")
+                    help="packed rows' token budget (0: one row; -1: rows capped at the longest "
+                    "sequence, one forward, as automatic packing runs them; N > 0: one row of "
+                    "at most N tokens per forward, as --max_tokens_per_micro_batch N runs "
+                    "them)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layout", default=None, help=argparse.SUPPRESS)
@@ -99,9 +107,11 @@ def main() -> None:
         rows[layout] = json.loads(out.stdout.strip().splitlines()[-1])
         print(json.dumps(rows[layout]))
     a, b = rows["padded"], rows["packed"]
-    print("\n| layout | rows × T | tokens | s / step | peak RSS MiB |\n|---|---|---|---|---|")
+    print("\n| layout | forwards | rows × T | tokens | s / step | peak RSS MiB |\n"
+          "|---|---|---|---|---|---|")
     for r in (a, b):
-        print(f"| {r['layout']} | {r['rows'][0]} × {r['rows'][1]} | {r['tokens']} | "
+        print(f"| {r['layout']} | {r['forwards']} | {r['rows'][0]} × {r['rows'][1]} | "
+              f"{r['tokens']} | "
               f"{r['median_s']} | {r['peak_rss_mib']} |")
     print(f"\npacked / padded: tokens {b['tokens'] / a['tokens']:.2f}, "
           f"time {b['median_s'] / a['median_s']:.2f}, "
