@@ -360,7 +360,8 @@ def test_sft_packs_a_long_tailed_dataset_by_itself(tiny_model_dir, tmp_path, cap
         examples = encode_sft(load_tokenizer(tiny_model_dir), "d.jsonl",
                               [{**r, "_row": i + 1} for i, r in enumerate(rows)], 512, "error")
         longest = max(len(e.prompt) + len(e.completions[0]) for e in examples)
-        assert said[0].endswith(f"rows of up to {200 if extra else longest} tokens"), said
+        assert said[0].endswith("rows of up to 200 tokens, one forward each" if extra
+                                else f"rows of up to {longest} tokens"), said
     steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()
              if '"train/loss"' in x]
     assert len(steps) == 2 and all(math.isfinite(s["train/loss"]) for s in steps)
@@ -442,15 +443,19 @@ def test_automatic_packing_resumes_exactly(tiny_model_dir, tmp_path, capsys):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _record_backbone_calls(monkeypatch) -> list[tuple[bool, tuple]]:
-    """Every call of the Llama backbone from now on: (gradient on, input shape)."""
+def _record_backbone_calls(monkeypatch, packed_only: bool = False) -> list[tuple[bool, tuple]]:
+    """Every call of the Llama backbone from now on: (gradient on, input shape); with
+    ``packed_only`` the calls on packed rows alone (positions given, no attention mask: not
+    the sampler's or the evaluation's padded prompts)."""
     from transformers.models.llama import modeling_llama
 
     calls: list[tuple[bool, tuple]] = []
     forward = modeling_llama.LlamaModel.forward
 
     def recording(self, input_ids=None, *args, **kwargs):
-        if input_ids is not None:
+        packed = (kwargs.get("position_ids") is not None
+                  and kwargs.get("attention_mask") is None)
+        if input_ids is not None and (packed or not packed_only):
             calls.append((torch.is_grad_enabled(), tuple(input_ids.shape)))
         return forward(self, input_ids, *args, **kwargs)
 
@@ -507,7 +512,7 @@ def test_a_token_budget_bounds_every_rl_forward(tmp_path, monkeypatch):
     from posttrain.cli import main
 
     budget = 48
-    calls = _record_backbone_calls(monkeypatch)
+    calls = _record_backbone_calls(monkeypatch, packed_only=True)
     out = tmp_path / "run"
     assert main(["grpo", "--share_prompt", "false", "--packing", "true",
                  "--max_tokens_per_micro_batch", str(budget), "--kl_coef", "0.05",
@@ -515,8 +520,10 @@ def test_a_token_budget_bounds_every_rl_forward(tmp_path, monkeypatch):
                  "--minibatch_size", "8", "--builtin_train_size", "16",
                  "--builtin_eval_size", "4", "--eval_every", "0", "--device", "cpu",
                  "--tensorboard", "false", "--output_dir", str(out)]) == 0
-    packed = [shape for _, shape in calls if shape[0] == 1 and shape[1] > 1]
     trained = [shape for grad, shape in calls if grad]
-    assert trained and all(shape in packed for shape in trained)
-    assert all(n <= budget for _, n in packed), packed
+    scored = [shape for grad, shape in calls if not grad]
+    assert all(rows == 1 and n <= budget for rows, n in trained + scored), calls
     assert sum(n for _, n in trained) > 2 * budget  # (the step alone would not fit)
+    # the old and the reference pass (2 minibatches: the update is not on-policy) each run
+    # the step's sequences once, in the same bound
+    assert sum(n for _, n in scored) == 2 * sum(n for _, n in trained)

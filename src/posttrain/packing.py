@@ -70,11 +70,13 @@ def decide_for_data(command: str, setting: bool | None, automatic: bool, budget:
 
     micro = [[groups[next(order)] for _ in range(batch_size)]
              for _ in range(SAMPLED_MICRO_BATCHES if groups and setting is None else 0)]
+    given = budget is not None
     on, budget = decide_packing(setting, budget, micro, max(map(sum, groups), default=0))
     if automatic and (on or budget is not None) and dist.is_main():
         saves = f"saves at least {1 - PACK_BELOW:.0%} of the tokens"
         print(f"[{command}] packing: " + (
-            f"on (automatic: it {saves}), rows of up to {budget} tokens" if on else
+            f"on (automatic: it {saves}), rows of up to {budget} tokens"
+            + (", one forward each" if given else "") if on else
             "off (automatic: another layout is used, or packing saves under "
             f"{1 - PACK_BELOW:.0%} of the tokens); max_tokens_per_micro_batch unused"),
             file=sys.stderr, flush=True)

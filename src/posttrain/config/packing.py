@@ -28,7 +28,7 @@ class PackingFields:
     the data's longest sequence or pair, a micro-batch's rows in one forward."""
 
     def _check_packing(self) -> None:
-        # (with packing left at none a budget caps the rows of the packing decided)
+        # (with packing left at none a budget bounds the forwards of the packing decided)
         if self.packing is False:
             self.refuse(("max_tokens_per_micro_batch",), f"{self.COMMAND} with --packing "
                         "false")

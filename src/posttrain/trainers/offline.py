@@ -177,10 +177,9 @@ class OfflineJob(Job):
             micro = [self.to_device(self.collate(self._mine(mb))) for mb in drawn]
         else:  # the step's share of this rank, in forwards of at most N tokens
             micro = list(self.batches(self._mine([e for mb in drawn for e in mb]), cfg.batch_size))
-        # sharded (FSDP2), every forward is a collective: the ranks run as many (the extra
-        # ones on one example, with zero weight)
-        for _ in range(sharding.lockstep(len(micro), self.model) - len(micro)):
-            (self.loss(self.to_device(self.collate(drawn[0][:1])))[0] * 0).backward()
+        # sharded (FSDP2), every forward is a collective: the ranks run as many, a rank with
+        # fewer the rest after its own (one example, zero weight), past the sum below
+        extra = sharding.lockstep(len(micro), self.model) - len(micro)
         step_units, tokens = dist.data_sum([sum(self.units(b) for b in micro),
                                               sum(_completion_tokens(b) for b in micro)])
         sums: dict[str, torch.Tensor] = {}
@@ -198,6 +197,8 @@ class OfflineJob(Job):
             (loss_sum / max(step_units, 1)).backward()
             for k, v in {"loss": loss_sum.detach(), **metric_sums}.items():
                 sums[f"train/{k}"] = sums.get(f"train/{k}", 0.0) + v.detach()
+        for _ in range(extra):
+            (self.loss(self.to_device(self.collate(drawn[0][:1])))[0] * 0).backward()
         norm = self.optimizers[0].step()
         keys = sorted(sums)
         totals = dist.data_sum([float(sums[k]) for k in keys])
@@ -205,9 +206,10 @@ class OfflineJob(Job):
                           {"train/grad_norm": norm}, tokens=int(tokens))
 
     def _mine(self, examples: list) -> list:
-        """This rank's share of a micro-batch: every world-th example, or with packing the
-        share balanced by tokens (the ranks' packed rows end up alike, so they finish
-        together; the update is the same: the loss is normalised by the step's units)."""
+        """This rank's share of a micro-batch (with a token budget, of the step): every
+        world-th example, or with packing the share balanced by tokens (the ranks' packed
+        rows end up alike, so they finish together; the update is the same: the loss is
+        normalised by the step's units)."""
         if not self.packing:
             return dist.shard(examples)
         return dist.shard_by_cost(examples, [len(e.prompt) * len(e.completions)
