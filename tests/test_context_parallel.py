@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+import procs
 from posttrain import dist
 from posttrain.config import ConfigError
 from posttrain.models import context_parallel
@@ -34,10 +34,9 @@ TOLERANCE = 4096 * torch.finfo(torch.float64).eps
 @pytest.mark.multiprocess
 def test_a_split_sequence_computes_what_the_whole_one_does(tmp_path):
     out = tmp_path / "report.json"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                           "2", "--standalone", str(WORKER), str(out)],
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                          text=True, timeout=300)
+    proc = procs.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                      "2", "--standalone", str(WORKER), str(out)],
+                     env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert len(report) == 15  # 3 head layouts × 5 batch layouts

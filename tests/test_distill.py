@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import procs
 from bounds import (
     assert_within,
     grad_term_scales,
@@ -263,8 +263,7 @@ def test_two_ranks_distill_as_one(tiny_model_dir, tmp_path, parallel):
                 "3", "--group_size", "4", "--minibatch_size", "6", "--lr", "1e-5",
                 "--max_steps", "3", "--output_dir", str(out),
                 *(["--parallel", parallel] if ranks > 1 else [])]
-        proc = subprocess.run([*launch, "-m", "posttrain", *args], env=env,
-                              capture_output=True, text=True, timeout=300)
+        proc = procs.run([*launch, "-m", "posttrain", *args], env=env, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         outs[ranks] = out
     a = load_file(str(outs[1] / "final" / "model.safetensors"))

@@ -16,6 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import procs
+
 pytestmark = pytest.mark.multiprocess
 
 ARGS = ["--batch_size", "8", "--grad_accum", "2", "--max_steps", "4", "--builtin_train_size",
@@ -96,8 +98,7 @@ def _run(command: str, model: str, out: Path, ranks: int, *extra: str) -> None:
     else:
         args = _rl_args(command, out, *extra)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([*_launch(ranks), "-m", "posttrain", *args], env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = procs.run([*_launch(ranks), "-m", "posttrain", *args], env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import procs
 from compiled import compiled_errors
 from posttrain.data import pad_sequences
 from posttrain.models import completion_logprobs, load_causal_lm, load_tokenizer
@@ -154,13 +155,11 @@ def test_compiled_blocks_match_eager_on_cuda(dtype):
 
 def _torchrun(args: list[str], out: Path) -> None:
     import os
-    import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node", "1", "-m", "posttrain", *args, "--output_dir",
-                           str(out)], env=dict(os.environ), capture_output=True, text=True,
-                          timeout=300)
+    proc = procs.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                      "--nproc_per_node", "1", "-m", "posttrain", *args, "--output_dir",
+                      str(out)], env=dict(os.environ), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

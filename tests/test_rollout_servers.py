@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 
+import procs
 from bounds import logprob_tolerance
 from fake_vllm_server import FakeServer
 from posttrain.cli import main
@@ -315,7 +316,6 @@ def test_two_ranks_sampling_from_the_servers_compute_the_update_of_one(fakes, tm
     process's to float32 rounding of the gradient's sum (1e-5, as tests/test_distributed.py
     derives for these runs)."""
     import os
-    import subprocess
     import sys
 
     from safetensors.torch import load_file
@@ -331,7 +331,7 @@ def test_two_ranks_sampling_from_the_servers_compute_the_update_of_one(fakes, tm
         launch = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                    "--standalone"] if ranks == 2 else [sys.executable])
         cmd = [*launch, *args, "--output_dir", str(out)]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        proc = procs.run(cmd, env=env, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         finals.append(load_file(str(out / "final" / "model.safetensors")))
     a, b = finals

@@ -20,6 +20,7 @@ import torch
 pytestmark = pytest.mark.vllm
 vllm = pytest.importorskip("vllm")
 
+import procs  # noqa: E402
 from bounds import model_inner, model_stages, rel_bound  # noqa: E402
 from posttrain.config import RLConfig  # noqa: E402
 from posttrain.models import load_causal_lm, load_tokenizer  # noqa: E402
@@ -350,8 +351,7 @@ def _grpo_run(out, ranks: int, *extra: str) -> list[dict]:
             "3", "--vllm_kv_cache_gb", "1", "--tensorboard", "false", "--output_dir",
             str(out), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([*launch, "-m", "posttrain", *args], env=env, capture_output=True,
-                       text=True, timeout=600)
+    p = procs.run([*launch, "-m", "posttrain", *args], env=env, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 

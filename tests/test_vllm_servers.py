@@ -20,6 +20,7 @@ import torch
 pytestmark = pytest.mark.vllm
 vllm = pytest.importorskip("vllm")
 
+import procs  # noqa: E402
 from posttrain.models import load_causal_lm, load_tokenizer  # noqa: E402
 from posttrain.models.loading import builtin_model_dir  # noqa: E402
 from posttrain.models.weights import hf_weights  # noqa: E402
@@ -237,12 +238,11 @@ def test_two_ranks_under_torchrun_launch_and_share_the_servers(tmp_path):
 
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                           "2", "--standalone", "-m", "posttrain", "grpo", "--rollout_backend",
-                           "vllm_server", "--launch_rollout_servers", "1", "--max_steps", "2",
-                           "--prompts_per_step", "4", "--eval_every", "0", "--tensorboard",
-                           "false", "--output_dir", str(out)],
-                          env=env, capture_output=True, text=True, timeout=1800)
+    proc = procs.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                      "2", "--standalone", "-m", "posttrain", "grpo", "--rollout_backend",
+                      "vllm_server", "--launch_rollout_servers", "1", "--max_steps", "2",
+                      "--prompts_per_step", "4", "--eval_every", "0", "--tensorboard",
+                      "false", "--output_dir", str(out)], env=env, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [p.name for p in (out / "rollout-servers").glob("server-*.log")] == ["server-0.log"]
     assert (out / "final" / "model.safetensors").exists()
