@@ -56,6 +56,12 @@ RL = {
     "async_episodes": ["--env", "builtin", "--prompts_per_step", "3", "--group_size", "4",
                        "--max_new_tokens", "6", "--async_staleness", "1",
                        "--async_producer", "thread", "--algo", "dapo"],
+    # full sequences packed into forwards of at most 40 tokens: some minibatches cut into 1
+    # forward on one rank and 2 on the other (seen when written), so under fsdp the first
+    # runs a zero-weight extra
+    "budget": ["--prompts_per_step", "3", "--group_size", "4", "--max_new_tokens", "8",
+               "--kl_coef", "0.04", "--minibatch_size", "6", "--share_prompt", "false",
+               "--packing", "true", "--max_tokens_per_micro_batch", "40"],
     # on-policy distillation from the built-in episodes model (context parallel only)
     "distill": ["--teacher", "builtin-episodes", "--prompts_per_step", "3", "--group_size", "2",
                 "--max_new_tokens", "8"],
@@ -73,7 +79,8 @@ def _launch(ranks: int) -> list[str]:
 def _rl_args(name: str, out: Path, *extra: str) -> list[str]:
     command = name if name in ("ppo", "distill") else "grpo"
     algo = [] if name == "ppo" else ["--algo", "grpo" if name in ("lora", "episodes",
-                                                                  "async", "agents") else name]
+                                                                  "async", "agents", "budget")
+                                          else name]
     if name in ("async_episodes", "distill"):
         algo = []  # (its own: dapo, whose dynamic sampling gathers on the producer's group)
     return [command, "--model", "builtin", *algo, *RL_ARGS, *RL[name], "--output_dir",
