@@ -121,8 +121,7 @@ class OfflineJob(Job):
         setting = (False if cfg.packing is None and (getattr(cfg, "share_prompt", None)
                                                      or self.aux_coef or self.shares_prompts())
                    else cfg.packing)
-        groups = [[len(e.prompt) + len(c) for c in e.completions[:self.sequences_per_example]]
-                  for e in self.train_examples]
+        groups = [self._sequence_lengths(e) for e in self.train_examples]
         return packing.decide_for_data(cfg.COMMAND, setting, cfg.packing is None,
                                        cfg.max_tokens_per_micro_batch, groups,
                                        ExampleStream(len(groups), cfg.seed), cfg.batch_size)
@@ -144,10 +143,11 @@ class OfflineJob(Job):
         return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v
                 for k, v in batch.items()}
 
-    def _size(self, example) -> int:
-        """The tokens an example's sequences take in a packed row."""
-        return sum(len(example.prompt) + len(c)
-                   for c in example.completions[:self.sequences_per_example])
+    def _sequence_lengths(self, example) -> list[int]:
+        """The tokens of each of an example's sequences (prompt and completion), which
+        share a packed row."""
+        return [len(example.prompt) + len(c)
+                for c in example.completions[:self.sequences_per_example]]
 
     def _forwards(self, examples: list, batch_size: int) -> list[list]:
         """``examples`` as the forwards that run them: ``batch_size`` at a time, or with
@@ -155,7 +155,8 @@ class OfflineJob(Job):
         row each; an example longer than N alone)."""
         if self.forward_tokens is None:
             return [examples[i:i + batch_size] for i in range(0, len(examples), batch_size)]
-        rows = data_mod.packed_rows([self._size(e) for e in examples], self.forward_tokens)
+        rows = data_mod.packed_rows([sum(self._sequence_lengths(e)) for e in examples],
+                                    self.forward_tokens)
         return [[examples[i] for i in row] for row in rows]
 
     def batches(self, examples: list, batch_size: int):
@@ -212,8 +213,7 @@ class OfflineJob(Job):
         normalised by the step's units)."""
         if not self.packing:
             return dist.shard(examples)
-        return dist.shard_by_cost(examples, [len(e.prompt) * len(e.completions)
-                                             + sum(map(len, e.completions)) for e in examples])
+        return dist.shard_by_cost(examples, [sum(self._sequence_lengths(e)) for e in examples])
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:

@@ -159,7 +159,7 @@ class TokenBatch:
         """``rows``' full sequences packed (:func:`posttrain.data.pack_sequences`, in row
         order): the packed batch, and each row's packed row and first column."""
         ids = self.full["input_ids"][rows].tolist()
-        lengths = self.full["attention_mask"][rows].sum(-1).tolist()
+        lengths = self.lengths(rows).tolist()
         starts = self.prompt_lengths[rows].tolist()
         packed = data_mod.pack_sequences([x[:p] for x, p in zip(ids, starts, strict=True)],
                                          [x[p:n] for x, p, n in zip(ids, starts, lengths,
