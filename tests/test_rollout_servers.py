@@ -197,9 +197,10 @@ def test_a_grpo_run_samples_through_the_servers(model_tok, fakes, tmp_path, monk
     assert all("/inference/v1/generate" in f.calls for f in fakes)
 
 
-# (merged weights are the RL API's push, which the other runs here make; their LoRA run, like
-# the adapter push's guard below, is in the heavy tier, which keeps the fast one under 4 min)
-@pytest.mark.parametrize("push", ["adapter", pytest.param("merged", marks=pytest.mark.slow)])
+# (whole LoRA runs through the fakes, like the adapter push's guard below: in the heavy tier,
+# which keeps the fast one under 4 minutes on a slow 2-core machine)
+@pytest.mark.slow
+@pytest.mark.parametrize("push", ["adapter", "merged"])
 def test_a_lora_run_pushes_the_adapter_alone_or_merged_weights(model_tok, fakes, tmp_path,
                                                                 monkeypatch, push):
     """adapter: the base weights go once (the first push), then each version is the adapter
