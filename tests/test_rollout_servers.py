@@ -138,11 +138,18 @@ def test_a_stopped_server_is_named_and_its_requests_go_to_the_other(model_tok, f
     assert "its requests go to server 0" in err
 
 
-def test_every_server_down_stops_the_run_in_one_line(model_tok, fakes):
+@pytest.mark.parametrize("down", ["dead", pytest.param("stopped", marks=pytest.mark.slow)])
+def test_every_server_down_stops_the_run_in_one_line(model_tok, fakes, down):
+    """Killed servers (connections dropped: named at once) in the fast tier; stopped ones,
+    each costing the client's timeout, in the heavy tier (one stopped server is the fast
+    tier's, above)."""
     _, tok = model_tok
     eng = _engine(model_tok, fakes, timeout=STOPPED)
     for f in fakes:
-        f.stall.set()
+        if down == "dead":
+            f.dead = True
+        else:
+            f.stall.set()
     with pytest.raises(RolloutServerError, match=r"every rollout server is down.*resume"):
         eng.generate(_requests(tok), 1, PARAMS)
 
@@ -189,8 +196,8 @@ def test_a_grpo_run_samples_through_the_servers(model_tok, fakes, tmp_path, monk
     out = tmp_path / "run"
     assert main(["grpo", "--rollout_backend", "vllm_server", "--rollout_servers",
                  ",".join(f.url for f in fakes), "--max_steps", "2", "--prompts_per_step", "4",
-                 "--group_size", "2", "--eval_every", "0", "--tensorboard", "false",
-                 "--output_dir", str(out)]) == 0
+                 "--group_size", "2", "--eval_every", "0", "--builtin_eval_size", "16",
+                 "--tensorboard", "false", "--output_dir", str(out)]) == 0
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "train/loss" in r][-1] == 2
     assert all(f.version.endswith("-2") for f in fakes)  # both hold the final weights
@@ -214,8 +221,8 @@ def test_a_lora_run_pushes_the_adapter_alone_or_merged_weights(model_tok, fakes,
     assert main(["grpo", "--rollout_backend", "vllm_server", "--rollout_servers",
                  ",".join(f.url for f in fakes), "--lora_rank", "4", "--lr", "1e-2",
                  "--rollout_lora_push", push, "--max_steps", "3", "--prompts_per_step", "4",
-                 "--group_size", "2", "--eval_every", "0", "--tensorboard", "false",
-                 "--log_every", "1", "--output_dir", str(out)]) == 0
+                 "--group_size", "2", "--eval_every", "0", "--builtin_eval_size", "16",
+                 "--tensorboard", "false", "--log_every", "1", "--output_dir", str(out)]) == 0
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert len([r for r in rows if "sync/gap_mean" in r]) == 3  # the guard, every step
     for f in fakes:
@@ -238,8 +245,8 @@ def test_the_guard_catches_an_adapter_push_that_loaded_nothing(fakes, tmp_path, 
     assert main(["grpo", "--rollout_backend", "vllm_server", "--rollout_servers",
                  ",".join(f.url for f in fakes), "--lora_rank", "4", "--lr", "1e-1",
                  "--rollout_lora_push", "adapter", "--max_steps", "2", "--prompts_per_step",
-                 "4", "--group_size", "2", "--eval_every", "0", "--tensorboard", "false",
-                 "--output_dir", str(tmp_path / "run")]) == 2
+                 "4", "--group_size", "2", "--eval_every", "0", "--builtin_eval_size", "16",
+                 "--tensorboard", "false", "--output_dir", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert f"rollout server 1 ({fakes[1].url})'s" in err
 
@@ -271,7 +278,7 @@ def test_ppo_async_and_distill_sample_through_the_servers(command, fakes, tmp_pa
     out = tmp_path / "run"
     assert main([*command, "--rollout_backend", "vllm_server", "--rollout_servers",
                  ",".join(f.url for f in fakes), "--max_steps", "2", "--prompts_per_step",
-                 "4", "--eval_every", "0", "--tensorboard", "false",
+                 "4", "--eval_every", "0", "--builtin_eval_size", "16", "--tensorboard", "false",
                  "--output_dir", str(out)]) == 0
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert max(r["step"] for r in rows if "train/loss" in r) == 2
@@ -293,7 +300,8 @@ def test_a_run_whose_servers_all_stop_resumes_to_the_uninterrupted_weights(
     monkeypatch.setenv("POSTTRAIN_ROLLOUT_KEY", "k")
     args = ["grpo", "--rollout_backend", "vllm_server", "--rollout_servers",
             ",".join(f.url for f in fakes), "--max_steps", "4", "--prompts_per_step", "4",
-            "--eval_every", "0", "--save_every", "1", "--tensorboard", "false"]
+            "--eval_every", "0", "--builtin_eval_size", "16",
+            "--save_every", "1", "--tensorboard", "false"]
     assert main([*args, "--output_dir", str(tmp_path / "whole")]) == 0
     for f in fakes:
         f.die_after, f.pushes = 3, 0  # the start's push, then steps 1 and 2
@@ -327,7 +335,8 @@ def test_two_ranks_sampling_from_the_servers_compute_the_update_of_one(fakes, tm
     env = {**os.environ, "OMP_NUM_THREADS": "1", "POSTTRAIN_ROLLOUT_KEY": "k"}
     args = ["-m", "posttrain", "grpo", "--rollout_backend", "vllm_server",
             "--rollout_servers", ",".join(f.url for f in fakes), "--max_steps", "3",
-            "--prompts_per_step", "4", "--eval_every", "0", "--tensorboard", "false",
+            "--prompts_per_step", "4", "--eval_every", "0", "--builtin_eval_size", "16",
+            "--tensorboard", "false",
             "--lr", "1e-5"]
     finals = []
     for ranks in (1, 2):
