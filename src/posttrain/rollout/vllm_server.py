@@ -84,6 +84,9 @@ class ServerOptions:
 
 _KEY = 16
 """Tokens of a sequence that index it for affinity (a later turn shares its start)."""
+_RESUME = ("the run's last checkpoint is intact: resume with --resume_from once they "
+           "answer")
+"""How every 'every rollout server is down' error ends, whichever path found it."""
 
 
 class VLLMServerEngine(RolloutEngine):
@@ -157,9 +160,8 @@ class VLLMServerEngine(RolloutEngine):
                     if left else "no server is left")
             print(f"warning: {server} {why}: {then}", file=sys.stderr, flush=True)
         if not any(s.alive for s in self.servers):
-            raise RolloutServerError(
-                f"every rollout server is down (the last: {server} {why}); the run's last "
-                "checkpoint is intact: resume with --resume_from once they answer")
+            raise RolloutServerError(f"every rollout server is down (the last: {server} "
+                                     f"{why}); {_RESUME}")
 
     def _live(self) -> list[Server]:
         return [s for s in self.servers if s.alive]
@@ -203,7 +205,7 @@ class VLLMServerEngine(RolloutEngine):
         while True:
             live = self._live()
             if not live:
-                raise RolloutServerError("every rollout server is down")
+                raise RolloutServerError(f"every rollout server is down; {_RESUME}")
             server = self._home(prompt, live)
             body = self._body(prompt, params)
             try:
@@ -395,9 +397,7 @@ class VLLMServerEngine(RolloutEngine):
                 with contextlib.suppress(ServerDown, RolloutServerError):
                     self._call(server, "/resume")
         if not any(s.alive for s in self.servers):
-            raise RolloutServerError("every rollout server is down after the push; the run's "
-                                     "last checkpoint is intact: resume with --resume_from "
-                                     "once they answer")
+            raise RolloutServerError(f"every rollout server is down after the push; {_RESUME}")
         if dist.world_size() > 1:
             dist.barrier()
         if adapter_only and old != name:
