@@ -36,6 +36,12 @@ live fake answers a call's samples one after another (about 50 ms each here, so 
 machine."""
 
 
+QUIET = ["--eval_every", "0", "--builtin_eval_size", "16", "--tensorboard", "false"]
+"""A whole run's quiet keys: no periodic evaluation, and the start's and the end's on 16
+held-out problems (the fakes sample one request after another, ~50 ms each: 500 problems
+took ~30 s of a two-step run)."""
+
+
 @pytest.fixture(scope="module")
 def model_tok():
     model = load_causal_lm(str(builtin_model_dir()), device="cpu").eval()
@@ -196,8 +202,7 @@ def test_a_grpo_run_samples_through_the_servers(model_tok, fakes, tmp_path, monk
     out = tmp_path / "run"
     assert main(["grpo", "--rollout_backend", "vllm_server", "--rollout_servers",
                  ",".join(f.url for f in fakes), "--max_steps", "2", "--prompts_per_step", "4",
-                 "--group_size", "2", "--eval_every", "0", "--builtin_eval_size", "16",
-                 "--tensorboard", "false", "--output_dir", str(out)]) == 0
+                 "--group_size", "2", *QUIET, "--output_dir", str(out)]) == 0
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "train/loss" in r][-1] == 2
     assert all(f.version.endswith("-2") for f in fakes)  # both hold the final weights
@@ -221,8 +226,7 @@ def test_a_lora_run_pushes_the_adapter_alone_or_merged_weights(model_tok, fakes,
     assert main(["grpo", "--rollout_backend", "vllm_server", "--rollout_servers",
                  ",".join(f.url for f in fakes), "--lora_rank", "4", "--lr", "1e-2",
                  "--rollout_lora_push", push, "--max_steps", "3", "--prompts_per_step", "4",
-                 "--group_size", "2", "--eval_every", "0", "--builtin_eval_size", "16",
-                 "--tensorboard", "false", "--log_every", "1", "--output_dir", str(out)]) == 0
+                 "--group_size", "2", *QUIET, "--log_every", "1", "--output_dir", str(out)]) == 0
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert len([r for r in rows if "sync/gap_mean" in r]) == 3  # the guard, every step
     for f in fakes:
@@ -245,8 +249,7 @@ def test_the_guard_catches_an_adapter_push_that_loaded_nothing(fakes, tmp_path, 
     assert main(["grpo", "--rollout_backend", "vllm_server", "--rollout_servers",
                  ",".join(f.url for f in fakes), "--lora_rank", "4", "--lr", "1e-1",
                  "--rollout_lora_push", "adapter", "--max_steps", "2", "--prompts_per_step",
-                 "4", "--group_size", "2", "--eval_every", "0", "--builtin_eval_size", "16",
-                 "--tensorboard", "false", "--output_dir", str(tmp_path / "run")]) == 2
+                 "4", "--group_size", "2", *QUIET, "--output_dir", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert f"rollout server 1 ({fakes[1].url})'s" in err
 
@@ -278,8 +281,7 @@ def test_ppo_async_and_distill_sample_through_the_servers(command, fakes, tmp_pa
     out = tmp_path / "run"
     assert main([*command, "--rollout_backend", "vllm_server", "--rollout_servers",
                  ",".join(f.url for f in fakes), "--max_steps", "2", "--prompts_per_step",
-                 "4", "--eval_every", "0", "--builtin_eval_size", "16", "--tensorboard", "false",
-                 "--output_dir", str(out)]) == 0
+                 "4", *QUIET, "--output_dir", str(out)]) == 0
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert max(r["step"] for r in rows if "train/loss" in r) == 2
     versions = {f.version for f in fakes}  # (the optimiser steps: ppo makes several a step)
@@ -300,8 +302,7 @@ def test_a_run_whose_servers_all_stop_resumes_to_the_uninterrupted_weights(
     monkeypatch.setenv("POSTTRAIN_ROLLOUT_KEY", "k")
     args = ["grpo", "--rollout_backend", "vllm_server", "--rollout_servers",
             ",".join(f.url for f in fakes), "--max_steps", "4", "--prompts_per_step", "4",
-            "--eval_every", "0", "--builtin_eval_size", "16",
-            "--save_every", "1", "--tensorboard", "false"]
+            *QUIET, "--save_every", "1"]
     assert main([*args, "--output_dir", str(tmp_path / "whole")]) == 0
     for f in fakes:
         f.die_after, f.pushes = 3, 0  # the start's push, then steps 1 and 2
@@ -335,9 +336,7 @@ def test_two_ranks_sampling_from_the_servers_compute_the_update_of_one(fakes, tm
     env = {**os.environ, "OMP_NUM_THREADS": "1", "POSTTRAIN_ROLLOUT_KEY": "k"}
     args = ["-m", "posttrain", "grpo", "--rollout_backend", "vllm_server",
             "--rollout_servers", ",".join(f.url for f in fakes), "--max_steps", "3",
-            "--prompts_per_step", "4", "--eval_every", "0", "--builtin_eval_size", "16",
-            "--tensorboard", "false",
-            "--lr", "1e-5"]
+            "--prompts_per_step", "4", *QUIET, "--lr", "1e-5"]
     finals = []
     for ranks in (1, 2):
         out = tmp_path / f"ranks-{ranks}"
