@@ -17,7 +17,7 @@ and the push's overhead, not what separate devices buy; ``--devices "1;2"`` (GPU
 trainer on GPU 0, servers on 1 and 2) measures that: ``benchmarks/gpu_servers.sh``.
 
 Usage: python benchmarks/rollout_servers.py [--sizes builtin,medium] [--steps 6]
-       [--repeats 3] [--devices "1;2"] [--server_args "..."] [--lora_rank R] [--out DIR]
+       [--repeats 3] [--servers 1,2] [--devices "1;2"] [--server_args "..."] [--lora_rank R] [--out DIR]
 """
 
 from __future__ import annotations
@@ -86,9 +86,14 @@ def main() -> int:
     p.add_argument("--devices", default=None, help="the servers' CUDA_VISIBLE_DEVICES, ';'")
     p.add_argument("--server_args", default="", help="more flags for every launched server")
     p.add_argument("--lora_rank", type=int, default=0)
+    p.add_argument("--servers", default="1,2",
+                   help="the launched-server counts measured beside in-process vLLM")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    settings = SETTINGS
+    counts = {int(x) for x in args.servers.split(",")}
+    settings = {k: v for k, v in SETTINGS.items()
+                if "--launch_rollout_servers" not in v
+                or int(v[v.index("--launch_rollout_servers") + 1]) in counts}
     if args.lora_rank:
         settings = {k: [*v, "--lora_rank", str(args.lora_rank)]
                     for k, v in LORA_SETTINGS.items()}

@@ -92,6 +92,11 @@ class Fleet:
                     # (bound to cores, vLLM's CPU workers spin on them; unbound they share
                     # the cores with the trainer and the other servers)
                     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+                    # (vLLM's CPU platform otherwise runs the model in a worker process of
+                    # its own, which busy-polls its shared-memory queue for a second after
+                    # every request: a core taken from the trainer's passes. With this off,
+                    # the model runs in the engine-core process, which blocks when idle)
+                    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
                 cmd += shlex.split(extra_args)
                 with open(self.log_dir / f"server-{i}.log", "ab") as log:
                     log.write(f"$ {shlex.join(cmd)}\n".encode())
