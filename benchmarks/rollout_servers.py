@@ -17,7 +17,8 @@ and the push's overhead, not what separate devices buy; ``--devices "1;2"`` (GPU
 trainer on GPU 0, servers on 1 and 2) measures that: ``benchmarks/gpu_servers.sh``.
 
 Usage: python benchmarks/rollout_servers.py [--sizes builtin,medium] [--steps 6]
-       [--repeats 3] [--servers 1,2] [--devices "1;2"] [--server_args "..."] [--lora_rank R] [--out DIR]
+       [--repeats 3] [--servers 1,2] [--devices "1;2"] [--server_args "..."]
+       [--lora_rank R] [--out DIR]
 """
 
 from __future__ import annotations

@@ -361,16 +361,18 @@ class VLLMServerEngine(RolloutEngine):
                 if not adapter_only:
                     call(server, "/init_weight_transfer_engine", {"init_info": {"key": key}})
                     call(server, "/start_weight_update")
-            for blob in (() if adapter_only else buckets(
+            for bucket in (() if adapter_only else buckets(
                     self._model, self._tied, weights, self.dtype, self.options.bucket_mb)):
                 inline = path = None
                 for server in live:
                     if not server.alive:
                         continue
                     if server.local and path is None:
-                        path = self._files.bucket(blob)
+                        path = self._files.bucket(bucket)
                     elif not server.local and inline is None:
-                        inline = base64.b64encode(blob).decode()
+                        from safetensors.torch import save
+
+                        inline = base64.b64encode(save(bucket)).decode()
                     info = ({"key": key, "path": path} if server.local else
                             {"key": key, "data": inline})
                     call(server, "/update_weights", {"update_info": info})
