@@ -384,3 +384,36 @@ def test_agents_sample_through_the_servers_token_exactly(tmp_path, monkeypatch):
         for s in servers:
             s.close()
     assert all("/inference/v1/generate" in s.calls for s in servers)
+
+
+@pytest.mark.parametrize(("bind", "engine_process"), [(None, "0"), ("0-1", None)])
+def test_a_cpu_server_runs_its_model_in_the_engine_process_unless_threads_are_bound(
+        bind, engine_process, model_tok, tmp_path, monkeypatch):
+    """Launched on CPU with its threads unbound (the default), a server runs its model in
+    vLLM's engine-core process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: no worker process
+    busy-polling a core the trainer needs); a binding the user set keeps vLLM's worker
+    processes, the only place vLLM binds threads. The servers' environments are read at
+    ``Popen``, which starts an idle process in their place."""
+    import subprocess
+    import sys
+
+    from posttrain.rollout import fleet
+
+    for name in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_ENABLE_V1_MULTIPROCESSING"):
+        monkeypatch.delenv(name, raising=False)
+    if bind:
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", bind)
+    envs, popen = [], subprocess.Popen
+
+    def start(cmd, env, **kw):
+        envs.append(env)
+        return popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                     start_new_session=True)
+
+    monkeypatch.setattr(fleet.subprocess, "Popen", start)
+    monkeypatch.setattr(fleet, "_cuda", lambda: False)
+    f = fleet.Fleet(*model_tok, 1, "k", tmp_path, dtype=torch.float32, max_model_len=64)
+    f.close(grace=5.0)
+    (env,) = envs
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == (bind or "nobind")
+    assert env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == engine_process

