@@ -88,7 +88,8 @@ def main() -> int:
     p.add_argument("--server_args", default="", help="more flags for every launched server")
     p.add_argument("--lora_rank", type=int, default=0)
     p.add_argument("--servers", default="1,2",
-                   help="the launched-server counts measured beside in-process vLLM")
+                   help="the launched-server counts measured beside in-process vLLM (not with "
+                   "--lora_rank, which measures its own three settings)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     counts = {int(x) for x in args.servers.split(",")}
