@@ -33,11 +33,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from common import SIZES, child_env, scratch
 
-SETTINGS = {"in-process vllm": ["--rollout_backend", "vllm"],
-            "1 server": ["--rollout_backend", "vllm_server", "--launch_rollout_servers", "1"],
-            "2 servers": ["--rollout_backend", "vllm_server", "--launch_rollout_servers", "2"]}
+IN_PROCESS = {"in-process vllm": ["--rollout_backend", "vllm"]}
+
+
+def server_settings(counts: list[int]) -> dict[str, list[str]]:
+    """In-process vLLM, then one setting per number of launched servers."""
+    return {**IN_PROCESS, **{f"{n} server{'s' if n > 1 else ''}":
+                             ["--rollout_backend", "vllm_server", "--launch_rollout_servers",
+                              str(n)] for n in counts}}
+
+
 LORA_SETTINGS = {
-    "in-process vllm": ["--rollout_backend", "vllm"],
+    **IN_PROCESS,
     "1 server, merged push": ["--rollout_backend", "vllm_server", "--rollout_lora_push",
                               "merged", "--launch_rollout_servers", "1"],
     "1 server, adapter push": ["--rollout_backend", "vllm_server", "--rollout_lora_push",
@@ -92,10 +99,7 @@ def main() -> int:
                    "--lora_rank, which measures its own three settings)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    counts = {int(x) for x in args.servers.split(",")}
-    settings = {k: v for k, v in SETTINGS.items()
-                if "--launch_rollout_servers" not in v
-                or int(v[v.index("--launch_rollout_servers") + 1]) in counts}
+    settings = server_settings(sorted({int(x) for x in args.servers.split(",")}))
     if args.lora_rank:
         settings = {k: [*v, "--lora_rank", str(args.lora_rank)]
                     for k, v in LORA_SETTINGS.items()}

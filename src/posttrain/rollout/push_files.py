@@ -36,6 +36,16 @@ def buckets(model, tied, weights: Iterable[tuple[str, torch.Tensor]], dtype: tor
         yield bucket
 
 
+def inline(bucket: dict[str, torch.Tensor]) -> str:
+    """A bucket as a base64 safetensors blob, for a server on another host (in the
+    request)."""
+    import base64
+
+    from safetensors.torch import save
+
+    return base64.b64encode(save(bucket)).decode()
+
+
 class PushFiles:
     """The engine's scratch directory for servers on this host (made on first use)."""
 

@@ -30,7 +30,6 @@ Only the standard library speaks HTTP here; nothing imports vLLM."""
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import hashlib
 import os
@@ -45,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from posttrain.rollout.engine import RolloutEngine
-from posttrain.rollout.push_files import PushFiles, buckets
+from posttrain.rollout.push_files import PushFiles, buckets, inline
 from posttrain.rollout.server_calls import (
     RolloutServerError,
     Server,
@@ -363,18 +362,16 @@ class VLLMServerEngine(RolloutEngine):
                     call(server, "/start_weight_update")
             for bucket in (() if adapter_only else buckets(
                     self._model, self._tied, weights, self.dtype, self.options.bucket_mb)):
-                inline = path = None
+                blob = path = None
                 for server in live:
                     if not server.alive:
                         continue
                     if server.local and path is None:
                         path = self._files.bucket(bucket)
-                    elif not server.local and inline is None:
-                        from safetensors.torch import save
-
-                        inline = base64.b64encode(save(bucket)).decode()
+                    elif not server.local and blob is None:
+                        blob = inline(bucket)
                     info = ({"key": key, "path": path} if server.local else
-                            {"key": key, "data": inline})
+                            {"key": key, "data": blob})
                     call(server, "/update_weights", {"update_info": info})
                 if path is not None:
                     os.unlink(path)  # (read by every server on this host by now)
