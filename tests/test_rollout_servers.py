@@ -399,7 +399,8 @@ def test_a_cpu_server_runs_its_model_in_the_engine_process_unless_threads_are_bo
 
     from posttrain.rollout import fleet
 
-    for name in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_ENABLE_V1_MULTIPROCESSING"):
+    for name in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_ENABLE_V1_MULTIPROCESSING",
+                 "GLIBC_TUNABLES"):
         monkeypatch.delenv(name, raising=False)
     if bind:
         monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", bind)
@@ -417,3 +418,41 @@ def test_a_cpu_server_runs_its_model_in_the_engine_process_unless_threads_are_bo
     (env,) = envs
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == (bind or "nobind")
     assert env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == engine_process
+    assert env["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
+
+
+@pytest.mark.parametrize(("user", "server"), [
+    ("glibc.malloc.arena_max=2", "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"),
+    ("glibc.malloc.hugetlb=0", "glibc.malloc.hugetlb=0")])
+def test_a_cpu_servers_huge_pages_keep_the_users_malloc_tunables(user, server):
+    """Huge pages for a CPU server's malloc are added to the tunables the user set, and a
+    ``glibc.malloc.hugetlb`` the user chose stays theirs."""
+    from posttrain.rollout.fleet import _huge_pages
+
+    env = {"GLIBC_TUNABLES": user}
+    _huge_pages(env)
+    assert env["GLIBC_TUNABLES"] == server
+
+
+def test_push_files_hold_the_largest_bucket_warm_between_pushes():
+    """Between two pushes the trainer holds a written reserve as large as the largest
+    bucket it wrote, and frees it before writing the next bucket (its pages then take the
+    file: ``warm_reserve``)."""
+    import os
+
+    from posttrain.rollout.push_files import PushFiles
+
+    files = PushFiles("test")
+    try:
+        sizes = []
+        for n in (1000, 10):
+            path = files.bucket({"w": torch.ones(n)})
+            sizes.append(os.path.getsize(path))
+            os.unlink(path)
+        files.keep_warm()
+        assert files._reserve is not None and files._reserve.nbytes == max(sizes) > sizes[1]
+        assert bool((files._reserve == 1).all())  # (written: backed by pages)
+        os.unlink(files.bucket({"w": torch.ones(10)}))
+        assert files._reserve is None
+    finally:
+        files.close()

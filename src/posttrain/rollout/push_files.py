@@ -52,6 +52,8 @@ class PushFiles:
     def __init__(self, run_id: str):
         self.run_id = run_id
         self.dir: str | None = None
+        self._largest = 0
+        self._reserve: torch.Tensor | None = None
 
     def _path(self, name: str) -> str:
         if self.dir is None:
@@ -65,9 +67,19 @@ class PushFiles:
         that copy took as long as the write)."""
         from safetensors.torch import save_file
 
+        self._reserve = None  # (freed: its pages, still warm, take the file)
         path = self._path("bucket.safetensors")
         save_file(tensors, path)
+        self._largest = max(self._largest, os.path.getsize(path))
         return path
+
+    def keep_warm(self) -> None:
+        """After a push (every bucket read and unlinked): hold what the next push writes
+        first, the largest bucket (:func:`~posttrain.rollout.vllm_transfer.warm_reserve`;
+        fresh pages in ``/dev/shm`` cost the same faults as a server's reload)."""
+        from posttrain.rollout.vllm_transfer import warm_reserve
+
+        self._reserve = warm_reserve(self._largest)
 
     def adapter(self, model, name: str) -> str:
         """``model``'s adapter now (a peft model's), as the directory ``name``."""
@@ -80,6 +92,7 @@ class PushFiles:
             shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)
 
     def close(self) -> None:
+        self._reserve = None
         if self.dir is not None:
             shutil.rmtree(self.dir, ignore_errors=True)
             self.dir = None

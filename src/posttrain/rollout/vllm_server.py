@@ -397,6 +397,7 @@ class VLLMServerEngine(RolloutEngine):
                     self._call(server, "/resume")
         if not any(s.alive for s in self.servers):
             raise RolloutServerError(f"every rollout server is down after the push; {_RESUME}")
+        self._files.keep_warm()
         if dist.world_size() > 1:
             dist.barrier()
         if adapter_only and old != name:
