@@ -434,25 +434,38 @@ def test_a_cpu_servers_huge_pages_keep_the_users_malloc_tunables(user, server):
     assert env["GLIBC_TUNABLES"] == server
 
 
-def test_push_files_hold_the_largest_bucket_warm_between_pushes():
-    """Between two pushes the trainer holds a written reserve as large as the largest
-    bucket it wrote, and frees it before writing the next bucket (its pages then take the
-    file: ``warm_reserve``)."""
+def test_push_files_rewrite_a_bucket_in_place_while_its_layout_holds():
+    """A push's bucket ``i`` goes to the same file at every push: rewritten where its
+    tensors lie (the same inode, so the same pages) while its names, dtypes and shapes
+    hold, and written afresh by safetensors when they change; safetensors reads back
+    exactly what was pushed each time, whatever the dtypes' order and alignment."""
     import os
+
+    from safetensors.torch import load_file
 
     from posttrain.rollout.push_files import PushFiles
 
+    g = torch.Generator().manual_seed(0)
+
+    def bucket():
+        return {"w": torch.randn(3, 5, generator=g),
+                "h": torch.randn(7, generator=g).to(torch.bfloat16),
+                "ids": torch.randint(1 << 40, (3,), generator=g)}
+
     files = PushFiles("test")
     try:
-        sizes = []
-        for n in (1000, 10):
-            path = files.bucket({"w": torch.ones(n)})
-            sizes.append(os.path.getsize(path))
-            os.unlink(path)
-        files.keep_warm()
-        assert files._reserve is not None and files._reserve.nbytes == max(sizes) > sizes[1]
-        assert bool((files._reserve == 1).all())  # (written: backed by pages)
-        os.unlink(files.bucket({"w": torch.ones(10)}))
-        assert files._reserve is None
+        first = bucket()
+        path = files.bucket(0, first)
+        inode = os.stat(path).st_ino
+        for _ in range(2):
+            pushed = bucket()
+            assert files.bucket(0, pushed) == path and os.stat(path).st_ino == inode
+            got = load_file(path)
+            assert got.keys() == pushed.keys()
+            assert all(torch.equal(got[k], pushed[k]) for k in pushed)
+        other = {"w": torch.randn(2, 2, generator=g)}  # (another layout: a new file)
+        assert files.bucket(0, other) == path
+        assert torch.equal(load_file(path)["w"], other["w"])
+        assert torch.equal(load_file(files.bucket(1, first))["w"], first["w"])
     finally:
         files.close()

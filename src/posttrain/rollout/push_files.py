@@ -47,13 +47,24 @@ def inline(bucket: dict[str, torch.Tensor]) -> str:
 
 
 class PushFiles:
-    """The engine's scratch directory for servers on this host (made on first use)."""
+    """The engine's scratch directory for servers on this host (made on first use).
+
+    Bucket ``i`` of every push is the file ``bucket-i.safetensors``: written by safetensors
+    the first time, and from then on its tensors are copied into the file where they lie
+    (through a mapping held for the run) as long as the bucket holds the same names,
+    dtypes and shapes, which a model's pushes do. So the files' pages stay with the run
+    and a push moves the weights once, at memory speed: writing a fresh file at every
+    push took 0.29 s of a ~180M push, most of it getting fresh pages (on a virtual
+    machine that reports free pages to its host, as docs/engines.md says, freed ones come
+    back cold). The price: ``/dev/shm`` holds one copy of the pushed weights for the
+    run. Servers read a bucket during its ``/update_weights`` and hold nothing of it
+    after the push, so rewriting it at the next push is safe."""
 
     def __init__(self, run_id: str):
         self.run_id = run_id
         self.dir: str | None = None
-        self._largest = 0
-        self._reserve: torch.Tensor | None = None
+        self._slots: dict[int, tuple[list, dict[str, torch.Tensor]]] = {}
+        """Per bucket index: its layout, and its tensors' views into the mapped file."""
 
     def _path(self, name: str) -> str:
         if self.dir is None:
@@ -61,25 +72,22 @@ class PushFiles:
                                         dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         return os.path.join(self.dir, name)
 
-    def bucket(self, tensors: dict[str, torch.Tensor]) -> str:
-        """A bucket as a safetensors file (one at a time: unlink it once every server has
-        read it), written straight from the tensors: no blob in memory first (at ~180M
-        that copy took as long as the write)."""
-        from safetensors.torch import save_file
+    def bucket(self, index: int, tensors: dict[str, torch.Tensor]) -> str:
+        """Bucket ``index`` of this push as a safetensors file (see the class docstring):
+        its path."""
+        path = self._path(f"bucket-{index}.safetensors")
+        layout = [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
+        slot = self._slots.get(index)
+        if slot is None or slot[0] != layout:
+            from safetensors.torch import save_file
 
-        self._reserve = None  # (freed: its pages, still warm, take the file)
-        path = self._path("bucket.safetensors")
-        save_file(tensors, path)
-        self._largest = max(self._largest, os.path.getsize(path))
+            self._slots.pop(index, None)
+            save_file(tensors, path)
+            slot = self._slots[index] = (layout, _views(path, tensors))
+        else:
+            for name, t in tensors.items():
+                slot[1][name].copy_(t)
         return path
-
-    def keep_warm(self) -> None:
-        """After a push (every bucket read and unlinked): hold what the next push writes
-        first, the largest bucket (:func:`~posttrain.rollout.vllm_transfer.warm_reserve`;
-        fresh pages in ``/dev/shm`` cost the same faults as a server's reload)."""
-        from posttrain.rollout.vllm_transfer import warm_reserve
-
-        self._reserve = warm_reserve(self._largest)
 
     def adapter(self, model, name: str) -> str:
         """``model``'s adapter now (a peft model's), as the directory ``name``."""
@@ -92,7 +100,24 @@ class PushFiles:
             shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)
 
     def close(self) -> None:
-        self._reserve = None
+        self._slots = {}
         if self.dir is not None:
             shutil.rmtree(self.dir, ignore_errors=True)
             self.dir = None
+
+
+def _views(path: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each of ``tensors``' places in the safetensors file ``path`` (which holds them), as a
+    tensor over a shared mapping of the file: a little-endian u64 header length, the JSON
+    header with each tensor's ``data_offsets`` from the end of the header, the data."""
+    import json
+
+    size = os.path.getsize(path)
+    raw = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+    n = int.from_bytes(bytes(raw[:8].tolist()), "little")
+    header = json.loads(bytes(raw[8:8 + n].tolist()))
+    views = {}
+    for name, t in tensors.items():
+        begin, end = (8 + n + x for x in header[name]["data_offsets"])
+        views[name] = raw[begin:end].view(t.dtype).view(t.shape)
+    return views

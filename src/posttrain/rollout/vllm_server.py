@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 import secrets
 import sys
 import threading
@@ -360,21 +359,19 @@ class VLLMServerEngine(RolloutEngine):
                 if not adapter_only:
                     call(server, "/init_weight_transfer_engine", {"init_info": {"key": key}})
                     call(server, "/start_weight_update")
-            for bucket in (() if adapter_only else buckets(
+            for index, bucket in enumerate(() if adapter_only else buckets(
                     self._model, self._tied, weights, self.dtype, self.options.bucket_mb)):
                 blob = path = None
                 for server in live:
                     if not server.alive:
                         continue
                     if server.local and path is None:
-                        path = self._files.bucket(bucket)
+                        path = self._files.bucket(index, bucket)
                     elif not server.local and blob is None:
                         blob = inline(bucket)
                     info = ({"key": key, "path": path} if server.local else
                             {"key": key, "data": blob})
                     call(server, "/update_weights", {"update_info": info})
-                if path is not None:
-                    os.unlink(path)  # (read by every server on this host by now)
             if self.adapter is not None:
                 adapter = self._files.adapter(self._model, name)
             for server in live:
@@ -397,7 +394,6 @@ class VLLMServerEngine(RolloutEngine):
                     self._call(server, "/resume")
         if not any(s.alive for s in self.servers):
             raise RolloutServerError(f"every rollout server is down after the push; {_RESUME}")
-        self._files.keep_warm()
         if dist.world_size() > 1:
             dist.barrier()
         if adapter_only and old != name:

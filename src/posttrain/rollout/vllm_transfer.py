@@ -19,8 +19,7 @@ its environment (servers a run launches always have it; a server without it refu
 push): vLLM's RL endpoints themselves take no API key. Only safetensors are read; nothing
 is unpickled.
 
-This module imports vLLM inside its functions; only the server calls them (the trainer
-uses :func:`warm_reserve` alone)."""
+This module imports vLLM; only the server imports it."""
 
 from __future__ import annotations
 
@@ -45,7 +44,7 @@ def register() -> None:
 
 
 def warm_reserve(nbytes: int) -> torch.Tensor | None:
-    """``nbytes`` of memory, written (so backed by pages), for a process to hold between
+    """``nbytes`` of memory, written (so backed by pages), for the server to hold between
     two weight updates and free just before the next. A reload on the CPU allocates each
     layer afresh, and oneDNN repacks it, at every update; the pages the last one freed are
     soon handed back to the host where the machine is a virtual one that reports free
