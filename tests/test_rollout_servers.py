@@ -7,6 +7,7 @@ a broken push, the key, and a whole run. The real servers are tested in the vLLM
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -434,17 +435,20 @@ def test_a_cpu_servers_huge_pages_keep_the_users_malloc_tunables(user, server):
     assert env["GLIBC_TUNABLES"] == server
 
 
-def test_push_files_rewrite_a_bucket_in_place_while_its_layout_holds():
-    """A push's bucket ``i`` goes to the same file at every push: rewritten where its
-    tensors lie (the same inode, so the same pages) while its names, dtypes and shapes
-    hold, and written afresh by safetensors when they change; safetensors reads back
-    exactly what was pushed each time, whatever the dtypes' order and alignment."""
-    import os
-
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="bucket files are kept in /dev/shm")
+def test_push_files_rewrite_a_bucket_in_place_while_its_layout_holds(monkeypatch):
+    """Kept, a push's bucket ``i`` goes to the same file at every push: safetensors writes
+    it once per layout, later pushes copy into it where its tensors lie (the same inode),
+    and safetensors reads back exactly what was pushed each time, whatever the dtypes'
+    order and alignment; ``release`` leaves it in place."""
+    import safetensors.torch
     from safetensors.torch import load_file
 
     from posttrain.rollout.push_files import PushFiles
 
+    writes, save_file = [], safetensors.torch.save_file
+    monkeypatch.setattr(safetensors.torch, "save_file",
+                        lambda t, path, **kw: (writes.append(path), save_file(t, path, **kw)))
     g = torch.Generator().manual_seed(0)
 
     def bucket():
@@ -452,20 +456,61 @@ def test_push_files_rewrite_a_bucket_in_place_while_its_layout_holds():
                 "h": torch.randn(7, generator=g).to(torch.bfloat16),
                 "ids": torch.randint(1 << 40, (3,), generator=g)}
 
-    files = PushFiles("test")
+    files = PushFiles("test", keep_bytes=1 << 10)
     try:
-        first = bucket()
-        path = files.bucket(0, first)
+        path = files.bucket(0, bucket())
         inode = os.stat(path).st_ino
         for _ in range(2):
+            files.release(0)
             pushed = bucket()
             assert files.bucket(0, pushed) == path and os.stat(path).st_ino == inode
             got = load_file(path)
             assert got.keys() == pushed.keys()
             assert all(torch.equal(got[k], pushed[k]) for k in pushed)
-        other = {"w": torch.randn(2, 2, generator=g)}  # (another layout: a new file)
-        assert files.bucket(0, other) == path
+        assert writes == [path] and files.keep
+        other = {"w": torch.randn(2, 2, generator=g)}  # (another layout: written afresh)
+        assert files.bucket(0, other) == path and len(writes) == 2
         assert torch.equal(load_file(path)["w"], other["w"])
-        assert torch.equal(load_file(files.bucket(1, first))["w"], first["w"])
     finally:
         files.close()
+
+
+@pytest.mark.parametrize("why", ["adapter", "no room"])
+def test_push_files_not_kept_are_written_afresh_and_removed(why, monkeypatch):
+    """Bucket files are not kept where a run pushes its weights once (a LoRA run's base:
+    no ``keep_bytes``) or where ``/dev/shm`` has not twice the push free: each bucket is
+    written afresh and ``release`` removes it."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from posttrain.rollout.push_files import PushFiles
+
+    if why == "no room":
+        usage = shutil.disk_usage("/")
+        monkeypatch.setattr(shutil, "disk_usage",
+                            lambda p: usage._replace(free=(1 << 20) - 1))
+    files = PushFiles("test", keep_bytes=0 if why == "adapter" else 1 << 19)
+    try:
+        for n in (5, 6):
+            path = files.bucket(0, {"w": torch.full((n,), float(n))})
+            assert torch.equal(load_file(path)["w"], torch.full((n,), float(n)))
+            files.release(0)
+            assert not os.path.exists(path)
+        assert files.keep is False
+    finally:
+        files.close()
+
+
+def test_push_files_are_removed_when_a_run_exits_without_closing_them():
+    """A process that exits without closing its push files (as a run that ends on an
+    error may) leaves nothing in ``/dev/shm``: kept bucket files are a model's size."""
+    import subprocess
+    import sys
+
+    code = ("import torch\nfrom posttrain.rollout.push_files import PushFiles\n"
+            "f = PushFiles('exit', keep_bytes=1 << 10)\n"
+            "f.bucket(0, {'w': torch.ones(4)})\nprint(f.dir, flush=True)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()
+    assert out and not os.path.exists(out[-1])

@@ -48,10 +48,11 @@ LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 def _huge_pages(env: dict[str, str]) -> None:
     """A CPU server's malloc asks for transparent huge pages (glibc's
-    ``glibc.malloc.hugetlb=1``; glibc < 2.35 ignores it), unless the user's
+    ``glibc.malloc.hugetlb=1``; glibc < 2.35 ignores it, and the kernel grants them only
+    where transparent huge pages are ``madvise`` or ``always``), unless the user's
     ``GLIBC_TUNABLES`` sets it: a weight reload allocates each layer afresh and oneDNN
-    repacks it, ~150,000 page faults for a 311 MB embedding on 4 KiB pages, ~6,000 on huge
-    pages (docs/benchmarks.md, "Rollout servers")."""
+    repacks it, ~152,000 page faults per load of a 311 MB embedding on 4 KiB pages and
+    ~1,200 on huge pages, measured in-process (docs/benchmarks.md, "Rollout servers")."""
     tunables = env.get("GLIBC_TUNABLES", "")
     if "glibc.malloc.hugetlb" not in tunables:
         env["GLIBC_TUNABLES"] = ":".join(x for x in (tunables, "glibc.malloc.hugetlb=1") if x)

@@ -5,9 +5,11 @@ or a LoRA policy's adapter as a peft directory — in one scratch directory in `
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
+import weakref
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -49,33 +51,45 @@ def inline(bucket: dict[str, torch.Tensor]) -> str:
 class PushFiles:
     """The engine's scratch directory for servers on this host (made on first use).
 
-    Bucket ``i`` of every push is the file ``bucket-i.safetensors``: written by safetensors
-    the first time, and from then on its tensors are copied into the file where they lie
-    (through a mapping held for the run) as long as the bucket holds the same names,
-    dtypes and shapes, which a model's pushes do. So the files' pages stay with the run
-    and a push moves the weights once, at memory speed: writing a fresh file at every
-    push took 0.29 s of a ~180M push, most of it getting fresh pages (on a virtual
-    machine that reports free pages to its host, as docs/engines.md says, freed ones come
-    back cold). The price: ``/dev/shm`` holds one copy of the pushed weights for the
-    run. Servers read a bucket during its ``/update_weights`` and hold nothing of it
-    after the push, so rewriting it at the next push is safe."""
+    Bucket ``i`` of every push is the file ``bucket-i.safetensors``. When the files are
+    **kept** — ``keep_bytes`` (the push's size) given, the directory in ``/dev/shm``, and
+    ``/dev/shm`` with twice that free at the first push — a bucket is written by
+    safetensors the first time and from then on its tensors are copied into the file where
+    they lie (through a mapping held for the run) as long as the bucket holds the same
+    names, dtypes and shapes, which a model's pushes do: the files' pages stay with the
+    run and a push moves the weights once, at memory speed (writing a fresh file at every
+    push took 0.29 s of a ~180M push, most of it getting fresh pages, which on a virtual
+    machine that reports free pages to its host come back cold: docs/engines.md). The
+    price is one copy of the pushed weights in ``/dev/shm`` for the run. Otherwise each
+    bucket is written afresh and removed once the servers have read it (:meth:`release`),
+    as a LoRA run's single push of the base weights is. Servers read a bucket during its
+    ``/update_weights`` and hold nothing of it after the push (vLLM's layerwise reload
+    drops what it buffered), so rewriting it at the next push is safe."""
 
-    def __init__(self, run_id: str):
+    def __init__(self, run_id: str, keep_bytes: int = 0):
         self.run_id = run_id
         self.dir: str | None = None
+        self.keep_bytes = keep_bytes
+        self.keep: bool | None = None
+        """Whether the bucket files stay for the run (decided at the first bucket)."""
         self._slots: dict[int, tuple[list, dict[str, torch.Tensor]]] = {}
-        """Per bucket index: its layout, and its tensors' views into the mapped file."""
+        """Per kept bucket index: its layout, and its tensors' views into the mapped file."""
 
     def _path(self, name: str) -> str:
         if self.dir is None:
             self.dir = tempfile.mkdtemp(prefix=f"posttrain-push-{self.run_id}-",
                                         dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+            # (removed at close, else when collected or at exit: never left in memory)
+            self._remove = weakref.finalize(self, shutil.rmtree, self.dir, ignore_errors=True)
         return os.path.join(self.dir, name)
 
     def bucket(self, index: int, tensors: dict[str, torch.Tensor]) -> str:
         """Bucket ``index`` of this push as a safetensors file (see the class docstring):
         its path."""
         path = self._path(f"bucket-{index}.safetensors")
+        if self.keep is None:
+            self.keep = (self.keep_bytes > 0 and self.dir.startswith("/dev/shm/")
+                         and shutil.disk_usage(self.dir).free >= 2 * self.keep_bytes)
         layout = [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
         slot = self._slots.get(index)
         if slot is None or slot[0] != layout:
@@ -83,11 +97,19 @@ class PushFiles:
 
             self._slots.pop(index, None)
             save_file(tensors, path)
-            slot = self._slots[index] = (layout, _views(path, tensors))
+            if self.keep:
+                self._slots[index] = (layout, _views(path, tensors))
         else:
             for name, t in tensors.items():
                 slot[1][name].copy_(t)
         return path
+
+    def release(self, index: int) -> None:
+        """Bucket ``index`` of this push has been read by every server: removed unless
+        the files are kept."""
+        if not self.keep and self.dir is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._path(f"bucket-{index}.safetensors"))
 
     def adapter(self, model, name: str) -> str:
         """``model``'s adapter now (a peft model's), as the directory ``name``."""
@@ -102,7 +124,7 @@ class PushFiles:
     def close(self) -> None:
         self._slots = {}
         if self.dir is not None:
-            shutil.rmtree(self.dir, ignore_errors=True)
+            self._remove()
             self.dir = None
 
 

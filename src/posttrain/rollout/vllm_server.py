@@ -107,8 +107,10 @@ class VLLMServerEngine(RolloutEngine):
         self._model, self._tied = model, _tied_names(model)
         self._made: dict[tuple[int, ...], list] = {}
         """The last call's sequences and their servers, by their first ``_KEY`` tokens."""
-        self._files = PushFiles(self.run_id)
         self.adapter = options.adapter
+        self._files = PushFiles(self.run_id, keep_bytes=0 if self.adapter is not None else (
+            sum(p.numel() for p in model.parameters()) * self.dtype.itemsize))
+        """(With an adapter the bucket files carry the base weights once: not kept.)"""
         if self.adapter is not None and not all(s.local for s in self.servers):
             raise ValueError("rollout_lora_push=adapter needs every rollout server on this "
                              "host (a server reads the adapter from a path); use "
@@ -357,7 +359,8 @@ class VLLMServerEngine(RolloutEngine):
                 if call(server, "/pause?mode=wait") is not None:
                     paused.append(server)
                 if not adapter_only:
-                    call(server, "/init_weight_transfer_engine", {"init_info": {"key": key}})
+                    call(server, "/init_weight_transfer_engine", {"init_info": {
+                        "key": key, "reserve": self.adapter is None}})
                     call(server, "/start_weight_update")
             for index, bucket in enumerate(() if adapter_only else buckets(
                     self._model, self._tied, weights, self.dtype, self.options.bucket_mb)):
@@ -372,6 +375,8 @@ class VLLMServerEngine(RolloutEngine):
                     info = ({"key": key, "path": path} if server.local else
                             {"key": key, "data": blob})
                     call(server, "/update_weights", {"update_info": info})
+                if path is not None:
+                    self._files.release(index)
             if self.adapter is not None:
                 adapter = self._files.adapter(self._model, name)
             for server in live:

@@ -66,6 +66,9 @@ def _engine_classes():
     @dataclass
     class InitInfo(WeightTransferInitInfo):
         key: str = ""
+        reserve: bool = True
+        """Whether to hold a warm reserve between updates (:func:`warm_reserve`; not
+        when no update follows, as in a LoRA run that pushes its adapter after the base)."""
 
     @dataclass
     class UpdateInfo(WeightTransferUpdateInfo):
@@ -73,7 +76,9 @@ def _engine_classes():
         data: str | None = None
         """A safetensors blob, base64."""
         path: str | None = None
-        """A safetensors file on this host (read, then left to the trainer to remove)."""
+        """A safetensors file on this host (on the CPU its tensors are views of the file:
+        the trainer may rewrite it in place at the next push, so nothing may hold them
+        past ``finish_weight_update``)."""
 
     class BucketTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         """Buckets of (name, tensor) as safetensors, loaded by the model's
@@ -95,6 +100,7 @@ def _engine_classes():
 
         def init_transfer_engine(self, init_info: InitInfo) -> None:
             self._check(init_info.key)
+            self._hold_reserve = init_info.reserve
 
         def start_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -124,7 +130,7 @@ def _engine_classes():
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
             finalize_layerwise_reload(self.model, self.model_config)
-            if self.device.type == "cpu":
+            if self.device.type == "cpu" and getattr(self, "_hold_reserve", True):
                 self._reserve = warm_reserve(2 * getattr(self, "_largest", 0))
 
         def shutdown(self) -> None:
