@@ -131,10 +131,14 @@ def _sequence_logprob_sum_bound(out: Path) -> float:
     from transformers import AutoConfig
 
     from bounds import model_inner, model_stages, pair_bound
+    from posttrain.models.loading import builtin_model_dir
 
-    config = AutoConfig.from_pretrained(out / "final")
-    run = (out / "config.yaml").read_text().splitlines()
-    tokens = int(next(x.split(":")[1] for x in run if x.startswith("max_new_tokens:")))
+    run = dict(x.split(": ", 1) for x in (out / "config.yaml").read_text().splitlines()
+               if x.startswith(("model: ", "max_new_tokens: ")))
+    model = run["model"].strip()  # (the base model: a LoRA run's final is its adapter)
+    config = AutoConfig.from_pretrained(builtin_model_dir(model)
+                                        if model.startswith("builtin") else model)
+    tokens = int(run["max_new_tokens"])
     inner = model_inner(config, config.max_position_embeddings)  # (the longest sequence)
     return (tokens * pair_bound(model_stages(config, backward=False), inner)
             * 2 * math.log(config.vocab_size))
