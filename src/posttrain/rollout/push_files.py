@@ -72,8 +72,8 @@ class PushFiles:
         self.keep_bytes = keep_bytes
         self.keep: bool | None = None
         """Whether the bucket files stay for the run (decided at the first bucket)."""
-        self._slots: dict[int, tuple[list, dict[str, torch.Tensor]]] = {}
-        """Per kept bucket index: its layout, and its tensors' views into the mapped file."""
+        self._slots: dict[int, dict[str, torch.Tensor]] = {}
+        """Per kept bucket index: its tensors' views into the mapped file (its layout)."""
 
     def _path(self, name: str) -> str:
         if self.dir is None:
@@ -86,22 +86,21 @@ class PushFiles:
     def bucket(self, index: int, tensors: dict[str, torch.Tensor]) -> str:
         """Bucket ``index`` of this push as a safetensors file (see the class docstring):
         its path."""
-        path = self._path(f"bucket-{index}.safetensors")
+        path = self._bucket_path(index)
         if self.keep is None:
             self.keep = (self.keep_bytes > 0 and self.dir.startswith("/dev/shm/")
                          and shutil.disk_usage(self.dir).free >= 2 * self.keep_bytes)
-        layout = [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
         slot = self._slots.get(index)
-        if slot is None or slot[0] != layout:
+        if slot is None or _layout(slot) != _layout(tensors):
             from safetensors.torch import save_file
 
             self._slots.pop(index, None)
             save_file(tensors, path)
             if self.keep:
-                self._slots[index] = (layout, _views(path, tensors))
+                self._slots[index] = _views(path, tensors)
         else:
             for name, t in tensors.items():
-                slot[1][name].copy_(t)
+                slot[name].copy_(t)
         return path
 
     def release(self, index: int) -> None:
@@ -109,7 +108,10 @@ class PushFiles:
         the files are kept."""
         if not self.keep and self.dir is not None:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._path(f"bucket-{index}.safetensors"))
+                os.unlink(self._bucket_path(index))
+
+    def _bucket_path(self, index: int) -> str:
+        return self._path(f"bucket-{index}.safetensors")
 
     def adapter(self, model, name: str) -> str:
         """``model``'s adapter now (a peft model's), as the directory ``name``."""
@@ -126,6 +128,10 @@ class PushFiles:
         if self.dir is not None:
             self._remove()
             self.dir = None
+
+
+def _layout(tensors: dict[str, torch.Tensor]) -> list:
+    return [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
 
 
 def _views(path: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
