@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One prepared run of the rollout servers on a CUDA machine (vLLM installed beside posttrain),
 # from the repository root: benchmarks/rollout_servers.py at ~25M and ~180M (in-process vLLM
-# against one and two launched servers: GRPO step and push seconds). With two or more GPUs the trainer takes GPU 0 and the servers GPUs 1 (and 2);
+# against one launched server, each weight transport: GRPO step and push seconds). With two or more GPUs the trainer takes GPU 0 and the servers GPUs 1 (and 2);
 # with one, they share it (each server takes --gpu-memory-utilization 0.3). Logs go to $1
-# (default gpu-servers/). Budget: about 10 minutes on one H200.
+# (default gpu-servers/). Budget: about 8 minutes on one H200.
 set -uo pipefail
 out="${1:-gpu-servers}"
 mkdir -p "$out"
@@ -19,6 +19,11 @@ elif [ "$gpus" -eq 2 ]; then devices="1;1"; share="--gpu-memory-utilization 0.4"
 else devices="0;0"; share="--gpu-memory-utilization 0.3"
 fi
 echo "GPUs: $gpus; servers on: $devices; $share" | tee -a "$out/env.txt"
-CUDA_VISIBLE_DEVICES=0 timeout 300 $py benchmarks/rollout_servers.py --sizes medium,large \
-  --steps 5 --repeats 1 --devices "$devices" --server_args "$share" 2>&1 \
-  | grep -v "Loading weights" | tee "$out/rollout_servers.log"
+# posttrain's transport, and with two GPUs or more vLLM's NCCL one too (--rollout_transfer
+# nccl: NCCL refuses two ranks on one device; never run on a GPU before this script, so a
+# failed run prints its command and its stderr's tail)
+transfers=posttrain
+if [ "$gpus" -ge 2 ]; then transfers=posttrain,nccl; fi
+CUDA_VISIBLE_DEVICES=0 timeout 420 $py benchmarks/rollout_servers.py --sizes medium,large \
+  --steps 5 --repeats 1 --servers 1 --transfers "$transfers" --devices "$devices" \
+  --server_args "$share" 2>&1 | grep -v "Loading weights" | tee "$out/rollout_servers.log"

@@ -17,7 +17,8 @@ and the push's overhead, not what separate devices buy; ``--devices "1;2"`` (GPU
 trainer on GPU 0, servers on 1 and 2) measures that: ``benchmarks/gpu_servers.sh``.
 
 Usage: python benchmarks/rollout_servers.py [--sizes builtin,medium] [--steps 6]
-       [--repeats 3] [--servers 1,2] [--devices "1;2"] [--server_args "..."]
+       [--repeats 3] [--servers 1,2] [--transfers posttrain,nccl] [--devices "1;2"]
+       [--server_args "..."]
        [--lora_rank R] [--out DIR]
 """
 
@@ -36,11 +37,14 @@ from common import SIZES, child_env, scratch
 IN_PROCESS = {"in-process vllm": ["--rollout_backend", "vllm"]}
 
 
-def server_settings(counts: list[int]) -> dict[str, list[str]]:
-    """In-process vLLM, then one setting per number of launched servers."""
-    return {**IN_PROCESS, **{f"{n} server{'s' if n > 1 else ''}":
-                             ["--rollout_backend", "vllm_server", "--launch_rollout_servers",
-                              str(n)] for n in counts}}
+def server_settings(counts: list[int], transfers: tuple[str, ...] = ("posttrain",)
+                    ) -> dict[str, list[str]]:
+    """In-process vLLM, then one setting per number of launched servers and weight
+    transport (``--rollout_transfer``; a transport other than posttrain's is named)."""
+    return {**IN_PROCESS, **{
+        f"{n} server{'s' if n > 1 else ''}{'' if t == 'posttrain' else f', {t}'}":
+        ["--rollout_backend", "vllm_server", "--launch_rollout_servers", str(n),
+         "--rollout_transfer", t] for n in counts for t in transfers}}
 
 
 LORA_SETTINGS = {
@@ -97,9 +101,12 @@ def main() -> int:
     p.add_argument("--servers", default="1,2",
                    help="the launched-server counts measured beside in-process vLLM (not with "
                    "--lora_rank, which measures its own three settings)")
+    p.add_argument("--transfers", default="posttrain",
+                   help="the weight transports measured (posttrain, nccl: CUDA only)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    settings = server_settings(sorted({int(x) for x in args.servers.split(",")}))
+    settings = server_settings(sorted({int(x) for x in args.servers.split(",")}),
+                               tuple(args.transfers.split(",")))
     if args.lora_rank:
         settings = {k: [*v, "--lora_rank", str(args.lora_rank)]
                     for k, v in LORA_SETTINGS.items()}

@@ -13,14 +13,24 @@ Knobs for the tests: ``stall`` (an event: while set, generate calls hang as a SI
 server's would), ``dead`` (every connection closed unanswered, as a killed server's;
 ``die_after`` sets it after that many pushes), ``ignore_pushes`` (a push that loads
 nothing: a broken transport), ``version`` (overwrite the version it reports: a
-server restarted on other weights)."""
+server restarted on other weights).
+
+``transfer="nccl"`` stands in for vLLM's ``nccl`` weight transfer engine: ``/get_world_size``
+answers 1, ``/init_weight_transfer_engine`` joins the group the trainer opened on the
+port it names (a :class:`FakeGroup`, which ``posttrain.rollout.nccl_push.open_group`` is
+patched to make: tensors broadcast go through a queue in order), and ``/update_weights``
+takes the names, dtypes and shapes it lists from that queue and loads them, as vLLM's
+unpacked receive does. ``hold_buckets`` (an event: while set, it takes nothing) stands in
+for a server that never takes its bucket."""
 
 from __future__ import annotations
 
 import base64
 import copy
 import json
+import queue
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
@@ -29,10 +39,46 @@ from safetensors.torch import load, load_file
 from posttrain.rollout import Request, SamplingParams
 from posttrain.rollout.hf import HFEngine
 
+_GROUPS: dict[int, FakeGroup] = {}
+"""The groups trainers opened, by port (a server joins the one its init names)."""
+_OPENED = threading.Condition()
+
+
+class FakeGroup:
+    """The trainer's end of a fake NCCL group: what it broadcasts, the server takes in order;
+    ``done`` once it has taken everything broadcast so far."""
+
+    def __init__(self, address: str, port: int, world: int):
+        assert world == 2 and address == "127.0.0.1", (address, world)
+        self.tensors: queue.Queue = queue.Queue()
+        self.aborted = False
+        with _OPENED:
+            _GROUPS[port] = self
+            _OPENED.notify_all()
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        self.tensors.put(tensor.clone())
+
+    def done(self) -> bool:
+        return self.tensors.unfinished_tasks == 0
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+def _join(port: int, timeout: float = 30.0) -> FakeGroup:
+    with _OPENED:
+        if not _OPENED.wait_for(lambda: port in _GROUPS, timeout):
+            raise TimeoutError(f"no group opened on port {port}")
+        return _GROUPS.pop(port)
+
 
 class FakeServer:
-    def __init__(self, model, tokenizer, key: str | None = None):
+    def __init__(self, model, tokenizer, key: str | None = None, transfer: str = "posttrain"):
         self.model = copy.deepcopy(model).eval()
+        self.transfer = transfer
+        self.group: FakeGroup | None = None
+        self.hold_buckets = threading.Event()
         self.tokenizer, self.key = tokenizer, key
         self.version = "default"
         self.stall = threading.Event()
@@ -61,6 +107,9 @@ class FakeServer:
                 self.wfile.write(data)
 
             def do_GET(self):
+                if fake.dead:
+                    self.close_connection = True
+                    return
                 self._reply(*fake.handle("GET", self.path, None, self.headers))
 
             def do_POST(self):
@@ -87,6 +136,8 @@ class FakeServer:
                 headers.get("Authorization") != f"Bearer {self.key}":
             return 401, {"error": "Unauthorized"}
         if route == "/health":
+            while self.stall.is_set():  # (a stopped process answers nothing)
+                self.released.wait(0.05)
             return 200, {}
         if route == "/inference/v1/generate":
             if body.get("model") and body["model"] not in self.adapters:
@@ -94,6 +145,15 @@ class FakeServer:
             while self.stall.is_set():  # hung, as a stopped process is, until released
                 self.released.wait(0.05)
             return 200, self.generate(body)
+        if route == "/get_world_size":
+            return 200, {"world_size": 1}
+        if self.transfer == "nccl" and route == "/init_weight_transfer_engine":
+            info = body["init_info"]
+            assert info["rank_offset"] == 1 and info["packed"] is False, info
+            self.group = _join(info["master_port"])
+            return 200, {}
+        if self.transfer == "nccl" and route == "/update_weights":
+            return self.receive(body["update_info"])
         if route in ("/init_weight_transfer_engine", "/update_weights"):
             info = body.get("init_info") or body.get("update_info")
             if self.key and info.get("key") != self.key:
@@ -136,6 +196,23 @@ class FakeServer:
             return 200, {}
         return 404, {"error": f"no route {route}"}
 
+    def receive(self, info: dict) -> tuple[int, dict]:
+        """vLLM's unpacked NCCL receive: each listed tensor, in order, from the group."""
+        while self.hold_buckets.is_set():
+            time.sleep(0.05)
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        for name, dtype, shape in zip(info["names"], info["dtype_names"], info["shapes"],
+                                      strict=True):
+            if self.group is None or self.group.aborted:
+                return 500, {"error": "NCCL weight transfer not initialized"}
+            t = self.group.tensors.get(timeout=30.0)
+            assert t.dtype == getattr(torch, dtype) and list(t.shape) == shape, (name, t.shape)
+            if not self.ignore_pushes:
+                with self.lock, torch.no_grad():
+                    params[name].copy_(t)
+            self.group.tensors.task_done()
+        return 200, {}
+
     def generate(self, body: dict) -> dict:
         ids, sp = body["token_ids"], body["sampling_params"]
         model, engine = self.adapters[body["model"]] if body.get("model") else (self.model,
@@ -165,5 +242,6 @@ class FakeServer:
 
     def close(self) -> None:
         self.stall.clear()
+        self.hold_buckets.clear()
         self.httpd.shutdown()
         self.httpd.server_close()

@@ -131,6 +131,85 @@ def test_a_push_reaches_every_server_and_versions_follow(model_tok, fakes):
                              "/reset_prefix_cache", "/resume"]
 
 
+@pytest.fixture
+def nccl_fakes(model_tok, monkeypatch):
+    """Servers standing in for vLLM's ``nccl`` weight transfer engine, their groups queues
+    (tests/fake_vllm_server.py): the trainer's side of ``rollout_transfer nccl`` without a
+    GPU."""
+    import posttrain.rollout.nccl_push as nccl_push
+    from fake_vllm_server import FakeGroup
+
+    monkeypatch.setattr(nccl_push, "open_group", FakeGroup)
+    servers = [FakeServer(*model_tok, key="k", transfer="nccl") for _ in range(2)]
+    yield servers
+    for s in servers:
+        s.close()
+
+
+def _nccl_engine(model, tok, servers, timeout=30.0):
+    return VLLMServerEngine(model, tok, ServerOptions(
+        [s.url for s in servers], "k", timeout, bucket_mb=1, startup_timeout=30.0,
+        transfer="nccl"))
+
+
+def _moved(model, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    trained = load_causal_lm(str(builtin_model_dir()), device="cpu")
+    trained.load_state_dict({n: p.detach() + 0.01 * torch.randn(p.shape, generator=g)
+                             for n, p in model.named_parameters()}, strict=False)
+    return trained
+
+
+def test_nccl_pushes_reach_every_server_bucket_by_bucket(model_tok, nccl_fakes):
+    """rollout_transfer nccl: each server joins a group of its own at the first push and
+    keeps it; every bucket's tensors go in the order its ``/update_weights`` lists them,
+    so the servers hold exactly the weights pushed, sample under the version pushed, and
+    draw what the servers of posttrain's transport draw."""
+    model, tok = model_tok
+    eng = _nccl_engine(model, tok, nccl_fakes)
+    for version in (1, 2):
+        trained = _moved(model, version)
+        eng.sync(hf_weights(trained, torch.float32), version)
+        for f in nccl_fakes:
+            got = dict(f.model.named_parameters())
+            assert all(torch.equal(got[n], p) for n, p in trained.named_parameters())
+            assert f.version == eng.tag == f"{eng.run_id}-{version}"
+    for f in nccl_fakes:  # (one group each, many buckets a push: 1 MiB of a 3.6 MB model)
+        assert f.calls.count("/init_weight_transfer_engine") == 1
+        assert f.calls.count("/update_weights") >= 3 * 4
+    got = eng.generate(_requests(tok), 2, PARAMS)
+    assert got.policy_version == 2 and set(eng.last_servers) == {0, 1}
+    plain = [FakeServer(trained, tok, key="k") for _ in range(2)]
+    try:
+        _same(got, _engine((trained, tok), plain).generate(_requests(tok), 2, PARAMS))
+    finally:
+        for f in plain:
+            f.close()
+
+
+@pytest.mark.slow
+def test_an_nccl_server_that_never_takes_its_bucket_is_dropped_then_readmitted(
+        model_tok, nccl_fakes, capsys):
+    """A server that does not take a bucket's broadcasts within the timeout has its group
+    aborted and is dropped in one line, the push goes on to the other; once it answers
+    again, the next push opens it a new group and it holds the weights."""
+    model, tok = model_tok
+    eng = _nccl_engine(model, tok, nccl_fakes, STOPPED)
+    nccl_fakes[1].hold_buckets.set()
+    eng.sync(hf_weights(_moved(model, 1), torch.float32), 1)
+    err = capsys.readouterr().err
+    assert (f"rollout server 1 ({nccl_fakes[1].url}) did not take a weight bucket over NCCL "
+            f"within {STOPPED:g} s: its requests go to server 0") in err
+    assert not eng.servers[1].alive and nccl_fakes[0].version == eng.tag
+    nccl_fakes[1].hold_buckets.clear()
+    trained = _moved(model, 2)
+    eng.sync(hf_weights(trained, torch.float32), 2)
+    assert eng.servers[1].alive and nccl_fakes[1].version == eng.tag
+    assert nccl_fakes[1].calls.count("/init_weight_transfer_engine") == 2
+    got = dict(nccl_fakes[1].model.named_parameters())
+    assert all(torch.equal(got[n], p) for n, p in trained.named_parameters())
+
+
 def test_a_stopped_server_is_named_and_its_requests_go_to_the_other(model_tok, fakes, capsys):
     _, tok = model_tok
     reqs = _requests(tok)
@@ -143,6 +222,59 @@ def test_a_stopped_server_is_named_and_its_requests_go_to_the_other(model_tok, f
     err = capsys.readouterr().err
     assert f"rollout server 1 ({fakes[1].url}) did not answer" in err
     assert "its requests go to server 0" in err
+
+
+@pytest.mark.parametrize("push", ["merged", pytest.param("adapter", marks=pytest.mark.slow)])
+def test_a_server_that_answers_again_is_readmitted_at_the_next_push(model_tok, fakes, capsys,
+                                                                     push):
+    """A stopped server is dropped; a push while it still answers nothing goes on without
+    it; the first push after it answers again re-admits it: it takes the whole push (an
+    adapter run's base weights, then the adapter) and draws its share of the samples again,
+    the samples of a fleet that never lost it."""
+    import copy
+    from types import SimpleNamespace
+
+    model, tok = model_tok
+    policy = copy.deepcopy(model)
+    adapter = None
+    if push == "adapter":
+        pytest.importorskip("peft")
+        from posttrain.models import lora
+
+        policy = lora.add(policy, SimpleNamespace(lora_rank=4, lora_alpha=8, lora_dropout=0.0,
+                                                  lora_targets="all-linear"))
+        adapter = "policy"
+
+    def moved() -> None:
+        with torch.no_grad():
+            for p in policy.parameters():
+                if p.requires_grad:
+                    p.add_(0.05 * torch.randn_like(p))
+
+    def engine(servers, timeout=30.0):
+        return VLLMServerEngine(policy, tok, ServerOptions(
+            [f.url for f in servers], "k", timeout, startup_timeout=30.0, adapter=adapter))
+
+    reqs = _requests(tok)
+    eng = engine(fakes, STOPPED)
+    fakes[1].stall.set()
+    eng.generate(reqs, 2, PARAMS)
+    assert not eng.servers[1].alive
+    moved()
+    eng.sync(hf_weights(policy, torch.float32), 1)  # still stopped: it stays out
+    assert not eng.servers[1].alive and fakes[0].version == eng.tag != fakes[1].version
+    fakes[1].stall.clear()
+    moved()
+    eng.sync(hf_weights(policy, torch.float32), 2)
+    assert eng.servers[1].alive and fakes[1].version == eng.tag == f"{eng.run_id}-2"
+    assert f"rollout server 1 ({fakes[1].url}) answers again: re-admitted with version 2" \
+        in capsys.readouterr().err
+    got = eng.generate(reqs, 2, PARAMS)
+    assert set(eng.last_servers) == {0, 1} and got.policy_version == 2
+    if adapter is not None:  # (the adapter it held when it stopped: unloaded)
+        assert fakes[1].calls.count("/update_weights") == 2
+        assert list(fakes[1].adapters) == [f"{adapter}-2"]
+    _same(got, engine(fakes[:1]).generate(reqs, 2, PARAMS))
 
 
 @pytest.mark.parametrize("down", ["dead", pytest.param("stopped", marks=pytest.mark.slow)])
@@ -441,6 +573,8 @@ def test_push_files_rewrite_a_bucket_in_place_while_its_layout_holds(monkeypatch
     it once per layout, later pushes copy into it where its tensors lie (the same inode),
     and safetensors reads back exactly what was pushed each time, whatever the dtypes'
     order and alignment; ``release`` leaves it in place."""
+    import shutil
+
     import safetensors.torch
     from safetensors.torch import load_file
 
@@ -471,6 +605,12 @@ def test_push_files_rewrite_a_bucket_in_place_while_its_layout_holds(monkeypatch
         other = {"w": torch.randn(2, 2, generator=g)}  # (another layout: written afresh)
         assert files.bucket(0, other) == path and len(writes) == 2
         assert torch.equal(load_file(path)["w"], other["w"])
+        for remove in (lambda: os.unlink(path), lambda: shutil.rmtree(files.dir)):
+            remove()  # (by someone else, under the run: written afresh, not into the mapping)
+            other = {"w": torch.randn(2, 2, generator=g)}
+            assert files.bucket(0, other) == path
+            assert torch.equal(load_file(path)["w"], other["w"])
+        assert len(writes) == 4
     finally:
         files.close()
 

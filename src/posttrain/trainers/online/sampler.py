@@ -76,13 +76,26 @@ def server_engine(cfg, policy, tokenizer):
     options = ServerOptions(urls, key, cfg.rollout_timeout,
                             dtype=str(dtype).removeprefix("torch."),
                             startup_timeout=cfg.rollout_server_startup,
-                            adapter="posttrain-policy" if cfg.lora_push == "adapter" else None)
+                            adapter="posttrain-policy" if cfg.lora_push == "adapter" else None,
+                            transfer=cfg.rollout_transfer, address=_nccl_address(urls))
     try:
         return VLLMServerEngine(policy, tokenizer, options, fleet)
     except BaseException:
         if fleet is not None:
             fleet.close()
         raise
+
+
+def _nccl_address(urls: list[str]) -> str:
+    """Where the servers reach rank 0 for the NCCL transport (``rollout_transfer``)."""
+    import os
+    import socket
+
+    from posttrain.rollout.server_calls import is_local
+
+    if all(is_local(u) for u in urls):
+        return "127.0.0.1"
+    return os.environ.get("POSTTRAIN_NCCL_ADDRESS") or socket.gethostname()
 
 
 def _launch(cfg, policy, tokenizer, dtype):
@@ -107,7 +120,8 @@ def _launch(cfg, policy, tokenizer, dtype):
                           max_model_len=longest, devices=cfg.server_devices,
                           extra_args=cfg.rollout_server_args,
                           kv_cache_gb=cfg.vllm_kv_cache_gb, seed=cfg.seed,
-                          lora_rank=cfg.lora_rank if cfg.lora_push == "adapter" else None)
+                          lora_rank=cfg.lora_rank if cfg.lora_push == "adapter" else None,
+                          transfer=cfg.rollout_transfer)
             message = json.dumps({"key": key, "urls": fleet.urls})
         except BaseException as e:  # (the other ranks wait for the message: send it)
             error = e
