@@ -16,7 +16,12 @@ which the resident size counts (measured: docs/benchmarks.md). Both are printed.
 The model is a random Llama of ``--hidden`` width and 8 layers (512: ~25M parameters),
 positions up to 4 × ``--length``, the built-in tokenizer's vocabulary.
 
+``--device cuda`` runs it on GPUs over NCCL (one GPU per rank: two or more GPUs); the peak
+is then the device memory a step allocated (``torch.cuda.max_memory_allocated``, reset
+before each step) and the time is taken after a synchronise (``benchmarks/gpu_check.sh``).
+
 Usage: python benchmarks/context_parallel.py [--length 2048] [--hidden 512] [--repeats 2]
+       [--device cpu|cuda]
 Prints one JSON line per configuration and a Markdown table.
 """
 
@@ -52,11 +57,14 @@ def child(args) -> None:
     from posttrain.models import completion_logprobs, context_parallel, load_causal_lm
 
     torch.set_num_threads(args.threads)
-    dist.init("cpu")
+    cuda = args.device == "cuda"
+    dist.init(args.device)
     dist.set_context(dist.world_size())
-    model = context_parallel.enable(load_causal_lm(args.model, device="cpu"))
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else "cpu"
+    model = context_parallel.enable(load_causal_lm(args.model, device=device))
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, model.config.vocab_size, (1, args.length), generator=gen)
+    ids = ids.to(device)
     loss_mask = torch.zeros_like(ids)
     loss_mask[:, args.length // 4:] = 1
     model_rss = rss_mb()
@@ -64,14 +72,21 @@ def child(args) -> None:
     for i in range(args.repeats + 1):  # (the first a warm-up: see main's comment)
         model.zero_grad(set_to_none=True)
         dist.barrier()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # (the peak from here: VmHWM starts again at the resident size)
         t = time.perf_counter()
         lp = completion_logprobs(model, ids, None, loss_mask)
         lp.sum().backward()
+        if cuda:
+            torch.cuda.synchronize()
         dt = time.perf_counter() - t
         del lp
         hwm, file, shmem = status_mb("VmHWM", "RssFile", "RssShmem")
+        if cuda:  # (the device's memory: what the step allocated, both columns)
+            hwm, file, shmem = torch.cuda.max_memory_allocated() / 2**20, 0.0, 0.0
         if i:
             times.append(dt)
             peaks.append(hwm)
@@ -95,6 +110,7 @@ def main() -> None:
     p.add_argument("--child", action="store_true")
     p.add_argument("--model")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = p.parse_args()
     if args.child:
         return child(args)
@@ -109,7 +125,7 @@ def main() -> None:
     # depends on the order of allocations, and differs between the two layouts)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072"}
     me = [str(Path(__file__).resolve()), "--child", "--model", str(tmp / "model"),
-          "--repeats", str(args.repeats)]
+          "--repeats", str(args.repeats), "--device", args.device]
     results = []
     for ranks, length in ((1, args.length), (2, args.length), (1, 2 * args.length),
                           (2, 2 * args.length)):
@@ -127,6 +143,8 @@ def main() -> None:
     budget, rss_budget = results[0]["anon_mb"], results[0]["peak_mb"]
     print(f"\nbudget (one process's peak at {args.length} tokens): {budget:.1f} MB anonymous "
           f"({rss_budget:.1f} MB resident)\n")
+    if args.device == "cuda":  # (both peaks are the device's: see the module docstring)
+        print("(on CUDA both peak columns are the device memory allocated)\n")
     print("| ranks | tokens | step (s) | peak anonymous per process (MB) | peak RSS per "
           "process (MB) | model RSS (MB) | fits the budget (anonymous / RSS) |")
     print("|---|---|---|---|---|---|---|")

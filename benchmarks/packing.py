@@ -6,8 +6,12 @@ Lengths are drawn from a log-normal (median ``--median`` tokens, log-σ ``--sigm
 to ``[16, --max_len]``; a quarter of each is prompt. The model is a random Llama of
 ``--hidden`` width and 8 layers (512: ~25M parameters) with the built-in tokenizer.
 
+``--device cuda`` runs it on a GPU: the peak is then the device memory the step allocated
+(``torch.cuda.max_memory_allocated``, reset before each step) and the time is taken after a
+synchronise (``benchmarks/gpu_check.sh``).
+
 Usage: python benchmarks/packing.py [--examples 8] [--max_len 1024] [--median 128]
-       [--sigma 1.0] [--hidden 512] [--repeats 3] [--budget 0|-1|N]
+       [--sigma 1.0] [--hidden 512] [--repeats 3] [--budget 0|-1|N] [--device cpu|cuda]
 Prints one JSON line per layout and a Markdown table.
 """
 
@@ -38,7 +42,8 @@ def child(args) -> None:
     from posttrain.models import completion_logprobs, load_causal_lm
 
     torch.set_num_threads(args.threads)
-    model = load_causal_lm(args.model, device="cpu")
+    cuda = args.device == "cuda"
+    model = load_causal_lm(args.model, device=args.device)
     gen = torch.Generator().manual_seed(args.seed + 1)
     prompts, completions = [], []
     for n in lengths(args):
@@ -53,23 +58,32 @@ def child(args) -> None:
     else:
         budget = max(lengths(args)) if args.budget < 0 else None
         forwards = [pack_sequences(prompts, completions, 0, budget=budget)]
-    times = []
-    for _ in range(args.repeats):
+    forwards = [{k: v.to(args.device) for k, v in b.items()} for b in forwards]
+    times, peaks = [], []
+    for i in range(args.repeats + cuda):  # (on a GPU one warm-up step first: kernels load)
         model.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
         t = time.perf_counter()
         for batch in forwards:
             lp = completion_logprobs(model, batch["input_ids"], batch.get("attention_mask"),
                                      batch["loss_mask"], position_ids=batch.get("position_ids"))
             lp.sum().backward()
-        times.append(time.perf_counter() - t)
+        if cuda:
+            torch.cuda.synchronize()
+            peaks.append(torch.cuda.max_memory_allocated() / 2**20)
+        if i or not cuda:
+            times.append(time.perf_counter() - t)
+    peak = (max(peaks[1:]) if cuda else
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     print(json.dumps({"layout": args.layout, "forwards": len(forwards),
                       "rows": [sum(len(b["input_ids"]) for b in forwards),
                                max(b["input_ids"].shape[1] for b in forwards)],
                       "tokens": sum(int(b["input_ids"].numel()) for b in forwards),
                       "real_tokens": sum(map(len, prompts)) + sum(map(len, completions)),
                       "median_s": round(statistics.median(times), 3),
-                      "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-                                            / 1024)}))
+                      "peak_mib": round(peak)}))
 
 
 def main() -> None:
@@ -87,6 +101,7 @@ def main() -> None:
                     "them)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--layout", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -107,15 +122,16 @@ def main() -> None:
         rows[layout] = json.loads(out.stdout.strip().splitlines()[-1])
         print(json.dumps(rows[layout]))
     a, b = rows["padded"], rows["packed"]
-    print("\n| layout | forwards | rows × T | tokens | s / step | peak RSS MiB |\n"
+    kind = "CUDA allocated" if args.device == "cuda" else "RSS"
+    print(f"\n| layout | forwards | rows × T | tokens | s / step | peak {kind} MiB |\n"
           "|---|---|---|---|---|---|")
     for r in (a, b):
         print(f"| {r['layout']} | {r['forwards']} | {r['rows'][0]} × {r['rows'][1]} | "
               f"{r['tokens']} | "
-              f"{r['median_s']} | {r['peak_rss_mib']} |")
+              f"{r['median_s']} | {r['peak_mib']} |")
     print(f"\npacked / padded: tokens {b['tokens'] / a['tokens']:.2f}, "
           f"time {b['median_s'] / a['median_s']:.2f}, "
-          f"peak memory {b['peak_rss_mib'] / a['peak_rss_mib']:.2f}")
+          f"peak memory {b['peak_mib'] / a['peak_mib']:.2f}")
 
 
 if __name__ == "__main__":
