@@ -48,22 +48,27 @@ class FakeGroup:
     """The trainer's end of a fake NCCL group: what it broadcasts, the server takes in order;
     ``done`` once it has taken everything broadcast so far."""
 
-    def __init__(self, address: str, port: int, world: int):
+    def __init__(self, address: str, world: int, listener, timeout: float):
         assert world == 2 and address == "127.0.0.1", (address, world)
         self.tensors: queue.Queue = queue.Queue()
         self.aborted = False
+        self.listener = listener  # (its port names the group; held while it is open)
         with _OPENED:
-            _GROUPS[port] = self
+            _GROUPS[listener.getsockname()[1]] = self
             _OPENED.notify_all()
 
+    def stage(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [t.clone() for t in tensors]
+
     def broadcast(self, tensor: torch.Tensor) -> None:
-        self.tensors.put(tensor.clone())
+        self.tensors.put(tensor)
 
     def done(self) -> bool:
         return self.tensors.unfinished_tasks == 0
 
     def abort(self) -> None:
         self.aborted = True
+        self.listener.close()
 
 
 def _join(port: int, timeout: float = 30.0) -> FakeGroup:
@@ -78,6 +83,7 @@ class FakeServer:
         self.model = copy.deepcopy(model).eval()
         self.transfer = transfer
         self.group: FakeGroup | None = None
+        self.updating = False  # (between a start and a finish of a weight update)
         self.hold_buckets = threading.Event()
         self.tokenizer, self.key = tokenizer, key
         self.version = "default"
@@ -135,10 +141,10 @@ class FakeServer:
         if route.startswith("/inference") and self.key and \
                 headers.get("Authorization") != f"Bearer {self.key}":
             return 401, {"error": "Unauthorized"}
-        if route == "/health":
+        if route in ("/health", "/is_paused"):
             while self.stall.is_set():  # (a stopped process answers nothing)
                 self.released.wait(0.05)
-            return 200, {}
+            return 200, {"is_paused": False} if route == "/is_paused" else {}
         if route == "/inference/v1/generate":
             if body.get("model") and body["model"] not in self.adapters:
                 return 404, {"error": f"The model `{body['model']}` does not exist."}
@@ -166,8 +172,18 @@ class FakeServer:
                     for name, t in blob.items():
                         params[name].copy_(t)
             return 200, {}
+        if route == "/start_weight_update":  # (vLLM's worker: one update at a time)
+            if self.updating:
+                return 500, {"error": "start_weight_update called while a weight update "
+                                      "is already active"}
+            self.updating = True
+            return 200, {}
         if route == "/finish_weight_update":
-            self.version = body["weight_version"]
+            if not self.updating:
+                return 500, {"error": "finish_weight_update called without a matching "
+                                      "start_weight_update"}
+            self.updating = False
+            self.version = (body or {}).get("weight_version", self.version)
             self.pushes += 1
             if self.die_after is not None and self.pushes >= self.die_after:
                 self.dead = True
@@ -192,7 +208,8 @@ class FakeServer:
         if route == "/update_weight_version":
             self.version = body["new_version"]
             return 200, {}
-        if route in ("/pause", "/resume", "/start_weight_update", "/reset_prefix_cache"):
+        if route in ("/pause", "/resume", "/reset_prefix_cache",
+                     "/shutdown_weight_transfer_engine"):
             return 200, {}
         return 404, {"error": f"no route {route}"}
 

@@ -140,6 +140,7 @@ def nccl_fakes(model_tok, monkeypatch):
     from fake_vllm_server import FakeGroup
 
     monkeypatch.setattr(nccl_push, "open_group", FakeGroup)
+    monkeypatch.setattr(nccl_push, "check", lambda: None)  # (no CUDA here: the fakes need none)
     servers = [FakeServer(*model_tok, key="k", transfer="nccl") for _ in range(2)]
     yield servers
     for s in servers:
@@ -185,6 +186,29 @@ def test_nccl_pushes_reach_every_server_bucket_by_bucket(model_tok, nccl_fakes):
     finally:
         for f in plain:
             f.close()
+
+
+def test_a_server_on_the_other_transport_refuses_its_nccl_group_and_is_dropped(
+        model_tok, nccl_fakes, capsys):
+    """A server started for posttrain's transport refuses the NCCL init at once: dropped
+    then, naming its answer, not after the rendezvous's timeout."""
+    model, tok = model_tok
+    other = FakeServer(model, tok, key="k")
+    try:
+        eng = _nccl_engine(model, tok, [nccl_fakes[0], other])
+        assert [s.alive for s in eng.servers] == [True, False]
+        assert (f"rollout server 1 ({other.url}) did not join its NCCL group "
+                "(RolloutServerError") in capsys.readouterr().err
+    finally:
+        other.close()
+
+
+def test_the_nccl_address_is_the_loopback_for_local_servers_else_the_users(monkeypatch):
+    from posttrain.trainers.online.sampler import _nccl_address
+
+    monkeypatch.setenv("POSTTRAIN_NCCL_ADDRESS", "10.0.0.7")
+    assert _nccl_address(["http://127.0.0.1:1", "http://localhost:2"]) == "127.0.0.1"
+    assert _nccl_address(["http://127.0.0.1:1", "http://10.0.0.9:2"]) == "10.0.0.7"
 
 
 @pytest.mark.slow
@@ -275,6 +299,27 @@ def test_a_server_that_answers_again_is_readmitted_at_the_next_push(model_tok, f
         assert fakes[1].calls.count("/update_weights") == 2
         assert list(fakes[1].adapters) == [f"{adapter}-2"]
     _same(got, engine(fakes[:1]).generate(reqs, 2, PARAMS))
+
+
+def test_a_returning_server_left_mid_update_is_finished_first_and_failures_back_off(
+        model_tok, fakes, capsys):
+    """A server dropped between a push's start and finish is still in that update (vLLM
+    refuses a second start): re-admitted, it is told to finish first, and takes the push.
+    A re-admission that fails (here: the push refused) is tried again after 1, then 3
+    pushes, not at every one."""
+    model, _ = model_tok
+    eng = _engine(model_tok, fakes)
+    eng.servers[1].alive, fakes[1].updating = False, True
+    eng.sync(hf_weights(_moved(model, 1), torch.float32), 1)
+    assert eng.servers[1].alive and fakes[1].version == eng.tag and not fakes[1].updating
+    eng.servers[1].alive, fakes[1].key = False, "another run's"
+    asked = []
+    for version in range(2, 9):
+        before = fakes[1].calls.count("/is_paused")
+        eng.sync(hf_weights(model, torch.float32), version)
+        asked.append(fakes[1].calls.count("/is_paused") - before)
+    assert asked == [1, 0, 1, 0, 0, 0, 1] and not eng.servers[1].alive
+    assert "weight push refused" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("down", ["dead", pytest.param("stopped", marks=pytest.mark.slow)])

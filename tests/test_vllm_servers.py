@@ -92,7 +92,7 @@ def test_servers_draw_what_in_process_vllm_draws_and_follow_pushes(model_tok, fl
 
 
 def test_the_guard_names_a_server_that_missed_a_push(model_tok, fleet, monkeypatch):
-    import posttrain.rollout.vllm_server as vllm_server
+    import posttrain.rollout.server_calls as server_calls
 
     model, tok = model_tok
     eng = _engine(model, tok, fleet)
@@ -102,7 +102,7 @@ def test_the_guard_names_a_server_that_missed_a_push(model_tok, fleet, monkeypat
     trained = _moved(1)
     live = eng.servers[1]
     live.alive = False  # the push skips server 1 (as a transport that lost its buckets),
-    monkeypatch.setattr(vllm_server, "answers", lambda *a: False)  # not re-admitted
+    monkeypatch.setattr(server_calls, "answers", lambda *a: False)  # not re-admitted
     eng.sync(hf_weights(trained, torch.float32), 1)
     live.alive = True
     with pytest.raises(SyncMismatch, match=f"rollout server 1 \\({fleet.urls[1]}\\)'s"):

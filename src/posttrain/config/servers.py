@@ -42,8 +42,8 @@ class RolloutServerFields:
     in /dev/shm to servers on this host, inline in the request to others (any device; the
     path this project tests); nccl: vLLM's NCCL transport, GPU to GPU (rank 0 on CUDA, vLLM
     installed beside the trainer, servers started with --weight-transfer-config
-    '{"backend": "nccl"}', as launched ones then are; they reach rank 0 at
-    POSTTRAIN_NCCL_ADDRESS, else this host's name, or 127.0.0.1 when all are local)."""
+    '{"backend": "nccl"}', as launched ones then are; they reach rank 0 at 127.0.0.1 when
+    all are local, else at POSTTRAIN_NCCL_ADDRESS or this host's address toward them)."""
 
     def _check_servers(self) -> None:
         server_keys = ("rollout_servers", "launch_rollout_servers", "rollout_server_devices",

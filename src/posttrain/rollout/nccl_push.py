@@ -3,49 +3,79 @@
 Rank 0 of the run opens one NCCL group per server at its first push: rank 0 of the group
 is the trainer, ranks 1..W the server's workers (its tensor × pipeline × data parallel
 world, ``/get_world_size``), joined through ``/init_weight_transfer_engine`` while the
-trainer opens its end (vLLM's TCP rendezvous, on a free port of ``address``). A bucket of
-a push then goes as one ``/update_weights`` naming its tensors (names, dtypes, shapes)
-while rank 0 broadcasts them, one after another, in that order: what the server's own
-``nccl`` engine (``--weight-transfer-config '{"backend": "nccl"}'``) receives, unpacked,
-into vLLM's layerwise reload. The pause, start, finish-with-version and resume around it
-are the same calls as posttrain's own transport (:mod:`posttrain.rollout.vllm_server`).
+trainer opens its end (vLLM's TCP rendezvous on a free port of ``address``). A bucket of a
+push then goes as one ``/update_weights`` naming its tensors (names, dtypes, shapes) while
+rank 0 broadcasts them, one after another, in that order: what the server's own ``nccl``
+engine (``--weight-transfer-config '{"backend": "nccl"}'``) receives, unpacked, into
+vLLM's layerwise reload. The pause, start, finish-with-version and resume around it are
+the same calls as posttrain's own transport (:mod:`posttrain.rollout.vllm_server`). The
+buckets are built in host memory, as for that transport (the weight stream gathers each
+tensor to the CPU), and copied to rank 0's GPU whole before their broadcasts start.
 
-The trainer side uses vLLM's own pieces (``nccl_common.trainer_init``, its
+The trainer side uses vLLM's own pieces (its ``StatelessProcessGroup`` rendezvous and
 ``PyNcclCommunicator``), so the training environment needs vLLM installed.
 
-No hangs: the broadcasts run on a CUDA stream of their own (the training stream never
-waits on a server) and are waited for at most ``timeout`` s; a server that has not taken a
-bucket by then, or that answered its ``/update_weights`` with an error, has its group
-aborted (``ncclCommAbort``, which ends the kernels waiting on it) and is dropped like any
-server that stops answering. A server re-admitted later gets a new group."""
+No hangs: the group is opened on a thread of its own, waited for at most ``timeout`` s
+(the rendezvous's own wait is that long too), and given up at once if the server refuses
+its init; the broadcasts run on a CUDA stream of their own (the training stream never
+waits on a server) and are waited for at most ``timeout`` s. A server that has not taken
+a bucket by then, or that refused it, has its group aborted (``ncclCommAbort``, which ends
+the kernels waiting on it) and is dropped like any server that stops answering; every
+failure here is a :class:`ServerDown` naming it. A server re-admitted later gets a new
+group."""
 
 from __future__ import annotations
 
+import socket
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as Late
 
 import torch
 
-from posttrain.rollout.server_calls import RolloutServerError, Server, ServerDown
+from posttrain.rollout.server_calls import Server, ServerDown
+
+
+def check() -> None:
+    """Raise a one-line error where this transport cannot run (checked when a run starts)."""
+    if not torch.cuda.is_available():
+        raise ValueError("rollout_transfer nccl needs CUDA on the run's rank 0 (use "
+                         "rollout_transfer posttrain)")
+    try:
+        import vllm.distributed.device_communicators.pynccl  # noqa: F401
+    except ImportError as e:
+        raise ValueError(f"rollout_transfer nccl needs vLLM installed beside the trainer "
+                         f"({e}); or use rollout_transfer posttrain") from None
 
 
 class _Group:
     """One server's NCCL group as rank 0 holds it: broadcasts on a stream of its own."""
 
-    def __init__(self, address: str, port: int, world: int):
-        from vllm.distributed.weight_transfer.nccl_common import trainer_init
+    def __init__(self, address: str, world: int, listener: socket.socket, timeout: float):
+        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+        from vllm.distributed.utils import StatelessProcessGroup
+        from vllm.utils.nccl import unpinned_nccl_env
 
-        self.comm = trainer_init({"master_address": address, "master_port": port,
-                                  "world_size": world})
+        group = StatelessProcessGroup.create(
+            host=address, port=listener.getsockname()[1], rank=0, world_size=world,
+            store_timeout=max(int(timeout), 1), listen_socket=listener)
+        with unpinned_nccl_env():
+            self.comm = PyNcclCommunicator(group, device=torch.cuda.current_device())
         self.stream = torch.cuda.Stream()
         self.device = torch.device("cuda", torch.cuda.current_device())
 
+    def stage(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``tensors`` on the GPU (copied on the current stream, which never waits for a
+        server), ready for this group's stream."""
+        out = [t.to(self.device) for t in tensors]
+        self.stream.wait_stream(torch.cuda.current_stream())
+        for t in out:
+            t.record_stream(self.stream)  # (not reused before its broadcast is done)
+        return out
+
     def broadcast(self, tensor: torch.Tensor) -> None:
-        with torch.cuda.stream(self.stream):  # (the copy lives on the stream that reads it)
-            self.comm.broadcast(tensor.to(self.device, non_blocking=True), src=0,
-                                stream=self.stream)
+        self.comm.broadcast(tensor, src=0, stream=self.stream)
 
     def done(self) -> bool:
         return self.stream.query()
@@ -54,12 +84,10 @@ class _Group:
         self.comm.destroy()
 
 
-def open_group(address: str, port: int, world: int):
-    """Rank 0's end of a group of ``world`` (it returns once every rank has joined)."""
-    if not torch.cuda.is_available():
-        raise RolloutServerError("rollout_transfer nccl needs CUDA on the run's rank 0 (use "
-                                 "rollout_transfer posttrain)")
-    return _Group(address, port, world)
+def open_group(address: str, world: int, listener: socket.socket, timeout: float):
+    """Rank 0's end of a group of ``world`` whose rendezvous listens on ``listener``
+    (it returns once every rank has joined, or raises after ``timeout`` s)."""
+    return _Group(address, world, listener, timeout)
 
 
 class NcclGroups:
@@ -72,26 +100,55 @@ class NcclGroups:
 
     def open(self, server: Server) -> None:
         """Open ``server``'s group (a group it had is aborted first)."""
-        from posttrain.rollout.fleet import free_port
-
         self.close(server)
-        world = 1 + int(self.call(server, "/get_world_size", None, "GET")["world_size"])
-        info = {"master_address": self.address, "master_port": free_port(),
+        try:
+            world = 1 + int(self.call(server, "/get_world_size", None, "GET")["world_size"])
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((self.address, 0))  # (a free port, held from here on)
+            listener.listen()
+        except (KeyError, ValueError, TypeError, OSError) as e:
+            raise ServerDown(f"could not start its NCCL group ({type(e).__name__}: {e})",
+                             False) from None
+        info = {"master_address": self.address, "master_port": listener.getsockname()[1],
                 "rank_offset": 1, "world_size": world, "packed": False}
+        box: dict = {}
+
+        def opening() -> None:  # (a daemon: one stuck in the rendezvous never holds exit)
+            try:
+                box["group"] = open_group(self.address, world, listener, self.timeout)
+            except BaseException as e:
+                box["error"] = e
+            if box.get("late") and "group" in box:
+                box["group"].abort()
+
+        opener = threading.Thread(target=opening, name="nccl-open", daemon=True)
         pool = ThreadPoolExecutor(1, thread_name_prefix="nccl-join")
         try:  # (the server's workers join while this end opens: both wait for the other)
+            opener.start()
             joined = pool.submit(self.call, server, "/init_weight_transfer_engine",
                                  {"init_info": info}, "POST")
-            group = open_group(self.address, info["master_port"], world)
-            try:
-                joined.result(timeout=self.timeout)
-            except Late:
-                group.abort()
-                raise ServerDown(f"did not join its NCCL group within {self.timeout:g} s",
-                                 True) from None
+            deadline = time.monotonic() + self.timeout
+            while time.monotonic() < deadline and (opener.is_alive() or not joined.done()):
+                if joined.done() and joined.exception() is not None:
+                    break  # (refused: nothing will join)
+                time.sleep(0.01)
+            ok = not opener.is_alive() and "group" in box and joined.done() \
+                and joined.exception() is None
+            if not ok:
+                box["late"] = True
+                if "group" in box:
+                    box["group"].abort()
+                why = (joined.exception() if joined.done() and joined.exception() is not None
+                       else box.get("error"))
+                raise ServerDown(f"did not join its NCCL group within {self.timeout:g} s"
+                                 if why is None else f"did not join its NCCL group "
+                                 f"({type(why).__name__}: {why})", why is None)
         finally:
             pool.shutdown(wait=False)
-        self.groups[server.index] = group
+            if "group" not in box and not opener.is_alive():
+                listener.close()
+        self.groups[server.index] = box["group"]
 
     def send(self, server: Server, bucket: dict[str, torch.Tensor]) -> None:
         """One bucket to ``server``: its ``/update_weights`` and the broadcasts it reads."""
@@ -99,27 +156,27 @@ class NcclGroups:
         info = {"names": list(bucket),
                 "dtype_names": [str(t.dtype).removeprefix("torch.") for t in bucket.values()],
                 "shapes": [list(t.shape) for t in bucket.values()]}
-        deadline = time.monotonic() + self.timeout
         pool = ThreadPoolExecutor(1, thread_name_prefix="nccl-update")
         try:
+            staged = group.stage(list(bucket.values()))
+            deadline = time.monotonic() + self.timeout
             received = pool.submit(self.call, server, "/update_weights",
                                    {"update_info": info}, "POST")
-            for t in bucket.values():
+            for t in staged:
                 group.broadcast(t)
-            while not group.done():
+            while not (group.done() and received.done()):
                 failed = received.done() and received.exception() is not None
                 if failed or time.monotonic() > deadline:
                     self.close(server)  # (ends the broadcasts waiting for it)
-                    if failed:
-                        received.result()
+                    e = received.exception() if failed else None
+                    if e is not None and not getattr(e, "timed_out", False):
+                        raise e  # (it refused the bucket: its answer names why)
                     raise ServerDown(f"did not take a weight bucket over NCCL within "
                                      f"{self.timeout:g} s", True)
                 time.sleep(0.001)
-            received.result(timeout=max(deadline - time.monotonic(), 0.0))
-        except Late:
+        except (RuntimeError, ValueError) as e:  # (CUDA or NCCL said no)
             self.close(server)
-            raise ServerDown(f"did not answer /update_weights within {self.timeout:g} s",
-                             True) from None
+            raise ServerDown(f"NCCL push failed ({type(e).__name__}: {e})", False) from None
         finally:
             pool.shutdown(wait=False)
 

@@ -57,6 +57,10 @@ class Server:
         self.alive = True
         self.adapter: str | None = None
         """The LoRA adapter it was last given (adapter pushes)."""
+        self.failures = 0
+        """Re-admissions in a row that failed (:func:`returning`)."""
+        self.wait = 0
+        """Pushes before it is asked again."""
 
     def __str__(self) -> str:
         return f"rollout server {self.index} ({self.url})"
@@ -102,12 +106,57 @@ def call(server: Server, path: str, body: dict | None, key: str | None, timeout:
 
 
 def answers(server: Server, key: str | None, timeout: float) -> bool:
-    """Whether ``server`` answers ``/health`` within ``timeout`` s."""
+    """Whether ``server``'s engine answers within ``timeout`` s (``/is_paused`` reaches the
+    engine, where ``/health`` is answered by the front end alone)."""
     try:
-        call(server, "/health", None, key, timeout, "GET")
+        call(server, "/is_paused", None, key, timeout, "GET")
         return True
     except (ServerDown, RolloutServerError):
         return False
+
+
+def returning(servers: list[Server], key: str | None, timeout: float,
+              asked=lambda s: True) -> list[Server]:
+    """The dropped servers (of those ``asked`` says to ask) that answer again within
+    ``timeout`` s, all asked at once, marked alive: they take the coming push. Rank 0
+    asks and every rank learns its answer. A server whose re-admission failed is asked
+    again only after 1, 3, 7, … pushes (at most 63)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from posttrain import dist
+
+    gone = []
+    for s in servers:
+        if not s.alive and s.wait:
+            s.wait -= 1  # (a push it sits out)
+        elif not s.alive and asked(s):
+            gone.append(s)
+    back: list[Server] = []
+    if gone and dist.rank() == 0:
+        with ThreadPoolExecutor(len(gone)) as pool:
+            ok = list(pool.map(lambda s: answers(s, key, timeout), gone))
+        back = [s for s, k in zip(gone, ok, strict=True) if k]
+    if dist.world_size() > 1:
+        indices = shared_value(",".join(str(s.index) for s in back))
+        back = [servers[int(i)] for i in indices.split(",") if i]
+    for s in back:
+        s.alive = True
+    return back
+
+
+def readmitted(back: list[Server], version: int) -> None:
+    """After the push: name the servers of ``back`` that took it; the others wait longer
+    before they are asked again (:func:`returning`)."""
+    import sys
+
+    for s in back:
+        if s.alive:
+            s.failures = 0
+            print(f"{s} answers again: re-admitted with version {version}", file=sys.stderr,
+                  flush=True)
+        else:
+            s.failures += 1
+            s.wait = 2 ** min(s.failures, 6) - 1  # (pushes it sits out)
 
 
 def choice(server: Server, out: dict, tag: str) -> tuple[list[int], list[float], str]:

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from posttrain.rollout import nccl_push
 from posttrain.rollout.engine import RolloutEngine
 from posttrain.rollout.nccl_push import NcclGroups
 from posttrain.rollout.push_files import PushFiles, buckets, inline
@@ -52,10 +53,11 @@ from posttrain.rollout.server_calls import (
     Server,
     ServerDown,
     StaleWeights,  # noqa: F401  (re-exported: the run's callers catch it from here)
-    answers,
     call,
     choice,
     is_local,
+    readmitted,
+    returning,
     shared_value,
     wait_healthy,
 )
@@ -121,8 +123,10 @@ class VLLMServerEngine(RolloutEngine):
         self._made: dict[tuple[int, ...], list] = {}
         """The last call's sequences and their servers, by their first ``_KEY`` tokens."""
         self.adapter = options.adapter
-        self._nccl = (NcclGroups(options.address, options.timeout, self._call)
-                      if options.transfer == "nccl" else None)
+        self._nccl = None
+        if options.transfer == "nccl":
+            nccl_push.check()
+            self._nccl = NcclGroups(options.address, options.timeout, self._call)
         self._files = PushFiles(self.run_id, keep_bytes=0 if self.adapter is not None else (
             sum(p.numel() for p in model.parameters()) * self.dtype.itemsize))
         """(With an adapter the bucket files carry the base weights once: not kept.)"""
@@ -306,7 +310,8 @@ class VLLMServerEngine(RolloutEngine):
         from posttrain.models.weights import hf_weights
 
         t0 = time.perf_counter()
-        back = self._readmit()
+        back = returning(self.servers, self.options.key, min(_PROBE, self.options.timeout),
+                         lambda s: self.fleet is None or self.fleet.running(s.index))
         adapter_only = self.adapter is not None and self._pushed
         if adapter_only and back:  # (a returning server holds no base weights: they go first)
             weights = hf_weights(self._model, self.dtype, merged=False)
@@ -317,17 +322,14 @@ class VLLMServerEngine(RolloutEngine):
                 for _ in weights:
                     pass
         else:
-            self._push(weights, version, full)
+            self._push(weights, version, full, back)
         if dist.world_size() > 1:  # (rank 0 pushed: a server it dropped lacks the version)
             flags = shared_value("".join("1" if s.alive else "0" for s in self.servers))
             for s, flag in zip(self.servers, flags, strict=True):
                 s.alive = flag == "1"
         if not any(s.alive for s in self.servers):
             raise RolloutServerError(f"every rollout server is down after the push; {_RESUME}")
-        for s in back:
-            if s.alive:
-                print(f"{s} answers again: re-admitted with version {version}",
-                      file=sys.stderr, flush=True)
+        readmitted(back, version)
         if adapter_only and version != self.version:
             self._files.drop(self._adapter_name(self.version))
         self.version = version
@@ -335,32 +337,10 @@ class VLLMServerEngine(RolloutEngine):
         self._pushed = True
         self.push_seconds = time.perf_counter() - t0
 
-    def _readmit(self) -> list[Server]:
-        """The dropped servers that answer ``/health`` again (within ``_PROBE`` s, all asked
-        at once; a launched server whose process exited is not asked): they take this push
-        and sample from it on. Rank 0 asks; every rank learns its answer."""
-        from posttrain import dist
-
-        gone = [s for s in self.servers if not s.alive and (
-            self.fleet is None or self.fleet.running(s.index))]
-        back: list[Server] = []
-        if gone and dist.rank() == 0:
-            wait = min(_PROBE, self.options.timeout)
-            with ThreadPoolExecutor(len(gone)) as pool:
-                ok = list(pool.map(lambda s: answers(s, self.options.key, wait), gone))
-            back = [s for s, k in zip(gone, ok, strict=True) if k]
-        if dist.world_size() > 1:
-            indices = shared_value(",".join(str(s.index) for s in back))
-            back = [self.servers[int(i)] for i in indices.split(",") if i]
-        for s in back:
-            s.alive = True
-            if self._nccl is not None:  # (a new group: the old one's other end is gone)
-                self._nccl.close(s)
-        return back
-
-    def _push(self, weights, version: int, full: list[Server]) -> None:
+    def _push(self, weights, version: int, full: list[Server], back: list[Server]) -> None:
         """Rank 0's push (:meth:`sync`): the stream to ``full``, then the adapter (LoRA
-        runs) to every live server."""
+        runs) to every live server. A returning server (``back``) first finishes an update
+        it may have been left in (dropped mid-push) and, on NCCL, closes its old group."""
         tag, key = f"{self.run_id}-{version}", self.options.key or ""
         live, paused = self._live(), []
         adapter = None
@@ -385,6 +365,11 @@ class VLLMServerEngine(RolloutEngine):
             for server in live:
                 if call(server, "/pause?mode=wait") is not None:
                     paused.append(server)
+                if server in back:  # (errors answered: there was nothing to finish or close)
+                    call(server, "/finish_weight_update", None, error_ok=True)
+                    if self._nccl is not None:
+                        self._nccl.close(server)
+                        call(server, "/shutdown_weight_transfer_engine", None, error_ok=True)
                 if server in full and self._nccl is None:
                     call(server, "/init_weight_transfer_engine", {"init_info": {
                         "key": key, "reserve": self.adapter is None}})

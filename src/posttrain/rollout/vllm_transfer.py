@@ -52,7 +52,7 @@ def warm_reserve(nbytes: int) -> torch.Tensor | None:
     faulting them in again cost 0.7–1.1 s of a ~180M push for its 311 MB embedding alone.
     Allocated right after an update, the reserve takes pages that are still warm; freed
     right before the next, it hands them to the reload. Held between updates: twice the
-    largest tensor of the last update (a layer's new copy and its repacked one)."""
+    worker's largest parameter (a layer's new copy and its repacked one)."""
     return torch.ones(nbytes, dtype=torch.uint8) if nbytes > 0 else None
 
 
@@ -106,7 +106,6 @@ def _engine_classes():
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
             self._reserve = None  # (freed: its pages, still warm, serve the reload)
-            self._largest = 0
             initialize_layerwise_reload(self.model)
 
         def update_weights(self, update_info) -> None:
@@ -123,15 +122,16 @@ def _engine_classes():
             tensors = (load(base64.b64decode(update_info.data)) if update_info.data is not None
                        else load_file(update_info.path))
             self.model.load_weights([(n, t.to(self.device)) for n, t in tensors.items()])
-            self._largest = max([getattr(self, "_largest", 0),
-                                 *(t.nbytes for t in tensors.values())])
 
         def finish_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
             finalize_layerwise_reload(self.model, self.model_config)
             if self.device.type == "cpu" and getattr(self, "_hold_reserve", True):
-                self._reserve = warm_reserve(2 * getattr(self, "_largest", 0))
+                # (the worker's own largest parameter: its shard under tensor parallelism,
+                # a fused one where vLLM fuses what the push sends apart)
+                largest = max((p.nbytes for p in self.model.parameters()), default=0)
+                self._reserve = warm_reserve(2 * largest)
 
         def shutdown(self) -> None:
             pass

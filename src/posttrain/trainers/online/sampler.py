@@ -77,7 +77,8 @@ def server_engine(cfg, policy, tokenizer):
                             dtype=str(dtype).removeprefix("torch."),
                             startup_timeout=cfg.rollout_server_startup,
                             adapter="posttrain-policy" if cfg.lora_push == "adapter" else None,
-                            transfer=cfg.rollout_transfer, address=_nccl_address(urls))
+                            transfer=cfg.rollout_transfer, address=_nccl_address(urls)
+                            if cfg.rollout_transfer == "nccl" else "127.0.0.1")
     try:
         return VLLMServerEngine(policy, tokenizer, options, fleet)
     except BaseException:
@@ -87,15 +88,28 @@ def server_engine(cfg, policy, tokenizer):
 
 
 def _nccl_address(urls: list[str]) -> str:
-    """Where the servers reach rank 0 for the NCCL transport (``rollout_transfer``)."""
+    """Where the servers reach rank 0 for the NCCL transport (``rollout_transfer``): the
+    loopback when all are local, else POSTTRAIN_NCCL_ADDRESS, else this host's address on
+    the route to the first remote server (a host name can resolve to a loopback address)."""
     import os
     import socket
+    import urllib.parse
 
     from posttrain.rollout.server_calls import is_local
 
-    if all(is_local(u) for u in urls):
+    remote = [u for u in urls if not is_local(u)]
+    if not remote:
         return "127.0.0.1"
-    return os.environ.get("POSTTRAIN_NCCL_ADDRESS") or socket.gethostname()
+    if os.environ.get("POSTTRAIN_NCCL_ADDRESS"):
+        return os.environ["POSTTRAIN_NCCL_ADDRESS"]
+    url = urllib.parse.urlsplit(remote[0])
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((url.hostname, url.port or 80))  # (sends nothing: picks the route)
+            return s.getsockname()[0]
+    except OSError as e:
+        raise ValueError(f"rollout_transfer nccl: no route to {remote[0]} to take this "
+                         f"host's address from ({e}); set POSTTRAIN_NCCL_ADDRESS") from None
 
 
 def _launch(cfg, policy, tokenizer, dtype):
