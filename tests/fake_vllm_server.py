@@ -48,7 +48,7 @@ class FakeGroup:
     """The trainer's end of a fake NCCL group: what it broadcasts, the server takes in order;
     ``done`` once it has taken everything broadcast so far."""
 
-    def __init__(self, address: str, world: int, listener, timeout: float):
+    def __init__(self, address: str, world: int, listener, timeout: float, device: int):
         assert world == 2 and address == "127.0.0.1", (address, world)
         self.tensors: queue.Queue = queue.Queue()
         self.aborted = False

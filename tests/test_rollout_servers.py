@@ -203,6 +203,50 @@ def test_a_server_on_the_other_transport_refuses_its_nccl_group_and_is_dropped(
         other.close()
 
 
+@pytest.mark.parametrize("stuck", ["open", "broadcast"])
+def test_an_nccl_call_that_blocks_its_thread_costs_the_timeout_and_the_server(
+        model_tok, nccl_fakes, monkeypatch, capsys, stuck):
+    """A call into NCCL may block the thread that makes it (a rendezvous no one joins, a
+    broadcast queued behind one no one takes): each runs on a thread of its own, waited
+    for at most the timeout, and the server is dropped."""
+    import threading
+
+    import posttrain.rollout.nccl_push as nccl_push
+    from fake_vllm_server import FakeGroup
+
+    model, tok = model_tok
+    never, made = threading.Event(), []
+
+    class Stuck(FakeGroup):  # (the second group opened: server 1's)
+        def __init__(self, *args):
+            made.append(self)
+            if stuck == "open" and len(made) == 2:
+                never.wait()
+            super().__init__(*args)
+
+        def stage(self, tensors):
+            self.left = len(tensors)
+            return super().stage(tensors)
+
+        def broadcast(self, tensor):  # (the server takes the bucket and answers; the last
+            super().broadcast(tensor)  # call into NCCL never returns)
+            self.left -= 1
+            if stuck == "broadcast" and self is made[1] and not self.left:
+                never.wait()
+
+    monkeypatch.setattr(nccl_push, "open_group", Stuck)
+    try:
+        eng = _nccl_engine(model, tok, nccl_fakes, timeout=3.0)
+        assert [s.alive for s in eng.servers] == [True, False]
+        assert nccl_fakes[0].version == eng.tag
+        err = capsys.readouterr().err  # (a stuck open: the server's join call may time out first)
+        assert f"rollout server 1 ({nccl_fakes[1].url}) did not " in err and "within 3 s" in err
+        if stuck == "broadcast":
+            assert "did not take a weight bucket over NCCL within 3 s" in err
+    finally:
+        never.set()
+
+
 def test_the_nccl_address_is_the_loopback_for_local_servers_else_the_users(monkeypatch):
     from posttrain.trainers.online.sampler import _nccl_address
 
