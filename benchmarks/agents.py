@@ -6,7 +6,8 @@ alternating in one process, medians.
 Modes: ``env`` (the episode loop calls the environment in process); ``agent`` (the built-in
 agent through the endpoint with the ``openai`` SDK, every episode in flight at once);
 ``agent64`` (the same, 64 episodes in flight); ``agent_http`` (the same agent written with
-``http.client``: the endpoint's own cost without the SDK's).
+``http.client``: the endpoint's own cost without the SDK's); ``agent_async`` (the same
+agent as an ``async def`` with the SDK's ``AsyncOpenAI`` client).
 
 Usage: python benchmarks/agents.py [--engine lean] [--rows 32] [--group 4] [--repeats 5]
        [--hidden 512]
@@ -53,19 +54,39 @@ def http_agent(client, row):
         conn.close()
 
 
+async def async_agent(client, row):
+    """:func:`posttrain.builtin.agent.lookup_agent` as a coroutine function (an
+    ``openai.AsyncOpenAI`` client)."""
+    from posttrain.builtin.agent import OPERAND
+
+    messages = [{"role": "user", "content": f"{row['a']}+?"}]
+    for _ in range(2):
+        reply = await client.chat.completions.create(model="posttrain-policy",
+                                                     messages=messages, tools=[OPERAND])
+        message = reply.choices[0].message
+        if not message.tool_calls:
+            return 1.0 if (message.content or "").strip() == str(row["answer"]) else 0.0
+        messages.append(message.model_dump(exclude_none=True))
+        for call in message.tool_calls:
+            messages.append({"role": "tool", "tool_call_id": call.id,
+                             "content": str(row["b"])})
+    return 0.0
+
+
 def maker(mode: str, args, out: str):
     from posttrain.config import RLConfig
     from posttrain.trainers.online import RLTrainer
 
     source = {"env": "builtin"} if mode == "env" else {
         "agent": "builtin", "agent_concurrency": 64 if mode == "agent64" else 1 << 16}
-    if mode == "agent_http":  # (a user's agent: the built-in task's rows as its data)
+    if mode in ("agent_http", "agent_async"):  # (a user's agent: the task's rows as data)
         from posttrain.builtin.episodes import rows
 
         data = f"{out}/rows.jsonl"
         with open(data, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows(args.rows * 8, "train"))
-        source.update(agent=f"{__file__}:http_agent", tool_parser="ask", data=data)
+        fn = "http_agent" if mode == "agent_http" else "async_agent"
+        source.update(agent=f"{__file__}:{fn}", tool_parser="ask", data=data)
     cfg = RLConfig(output_dir=out, **source, model=args.model, max_steps=1,
                    prompts_per_step=args.rows, group_size=args.group, device="cpu",
                    rollout_backend=args.engine, tensorboard=False, max_new_tokens=6,
@@ -80,7 +101,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--modes", default="env,agent,agent64,agent_http")
+    ap.add_argument("--modes", default="env,agent,agent64,agent_http,agent_async")
     ap.add_argument("--hidden", type=int, default=0,
                     help="time on a random model of this width (8 layers; 512: ~25M) instead "
                          "of builtin-episodes: the same episodes in every mode, sampling "
