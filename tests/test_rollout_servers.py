@@ -247,6 +247,18 @@ def test_an_nccl_call_that_blocks_its_thread_costs_the_timeout_and_the_server(
         never.set()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error is for a machine without CUDA")
+def test_the_nccl_transport_without_cuda_is_a_one_line_error(fakes, tmp_path, monkeypatch,
+                                                            capsys):
+    monkeypatch.setenv("POSTTRAIN_ROLLOUT_KEY", "k")
+    assert main(["grpo", "--rollout_backend", "vllm_server", "--rollout_servers",
+                 fakes[0].url, "--rollout_transfer", "nccl", "--max_steps", "1", *QUIET,
+                 "--output_dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("error: rollout_transfer nccl needs CUDA on the run's rank 0 (use "
+                       "rollout_transfer posttrain)")
+
+
 def test_the_nccl_address_is_the_loopback_for_local_servers_else_the_users(monkeypatch):
     from posttrain.trainers.online.sampler import _nccl_address
 
@@ -488,6 +500,9 @@ def test_the_guard_catches_an_adapter_push_that_loaded_nothing(fakes, tmp_path, 
       "--rollout_lora_push", "adapter"], "rollout_lora_push.*without LoRA"),
     (["--rollout_backend", "vllm_server", "--launch_rollout_servers", "1", "--lora_rank",
       "4", "--rollout_lora_push", "both"], "rollout_lora_push must be auto, adapter or"),
+    (["--rollout_backend", "vllm_server", "--launch_rollout_servers", "1",
+      "--rollout_transfer", "ipc"], "rollout_transfer must be posttrain or nccl"),
+    (["--rollout_transfer", "nccl"], "rollout_transfer.*rollout_backend=auto"),
 ])
 def test_server_keys_are_checked(args, message, capsys, tmp_path):
     assert main(["grpo", *args, "--output_dir", str(tmp_path / "r")]) == 2
