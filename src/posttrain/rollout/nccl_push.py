@@ -19,11 +19,11 @@ No hangs: every call into NCCL may block the thread that makes it, so each runs 
 daemon thread of its own, waited for at most ``timeout`` s: the group's opening (the
 rendezvous's own wait is that long too; given up at once if the server refuses its init)
 and a bucket's broadcasts, which run on a CUDA stream of their own (the training stream
-never waits on a server) and are then waited for within the same ``timeout``. A server that has not taken
-a bucket by then, or that refused it, has its group aborted (``ncclCommAbort``, which ends
-the kernels waiting on it) and is dropped like any server that stops answering; every
-failure here is a :class:`ServerDown` naming it. A server re-admitted later gets a new
-group."""
+never waits on a server) and are then waited for within the same ``timeout``. A server
+that has not taken a bucket by then, or that refused it, has its group aborted
+(``ncclCommAbort``, which ends the kernels waiting on it) and is dropped like any server
+that stops answering; every failure here is a :class:`ServerDown` naming it. A server
+re-admitted later gets a new group."""
 
 from __future__ import annotations
 

@@ -303,9 +303,10 @@ class VLLMServerEngine(RolloutEngine):
     def sync(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Push the stream to every live server through vLLM's RL API (see the module
         docstring); a server that stops answering is dropped, one that answers again is
-        re-admitted (:meth:`_readmit`). Under ``torchrun`` rank 0 pushes (every rank reads
-        the stream: a sharded run gathers it collectively) and every rank then takes rank
-        0's view of the fleet, so none samples before the servers hold the version."""
+        re-admitted (:func:`~posttrain.rollout.server_calls.returning`). Under ``torchrun``
+        rank 0 pushes (every rank reads the stream: a sharded run gathers it collectively)
+        and every rank then takes rank 0's view of the fleet, so none samples before the
+        servers hold the version."""
         from posttrain import dist
         from posttrain.models.weights import hf_weights
 
@@ -382,8 +383,10 @@ class VLLMServerEngine(RolloutEngine):
                     if full else ()):
                 blob = path = None
                 for server in full:
-                    if not server.alive or self._nccl is not None:
-                        attempt(server, getattr(self._nccl, "send", None), server, bucket)
+                    if not server.alive:
+                        continue
+                    if self._nccl is not None:
+                        attempt(server, self._nccl.send, server, bucket)
                         continue
                     if server.local and path is None:
                         path = self._files.bucket(index, bucket)
