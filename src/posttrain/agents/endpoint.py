@@ -29,6 +29,8 @@ class Endpoint:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True  # (an answer's headers and body go as two
+            # writes: with Nagle the body waited on the client's delayed acknowledgement)
 
             def log_message(self, *a):
                 pass
