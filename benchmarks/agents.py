@@ -57,19 +57,15 @@ def http_agent(client, row):
 async def async_agent(client, row):
     """:func:`posttrain.builtin.agent.lookup_agent` as a coroutine function (an
     ``openai.AsyncOpenAI`` client)."""
-    from posttrain.builtin.agent import OPERAND
+    from posttrain.builtin.agent import OPERAND, answered
 
     messages = [{"role": "user", "content": f"{row['a']}+?"}]
     for _ in range(2):
         reply = await client.chat.completions.create(model="posttrain-policy",
                                                      messages=messages, tools=[OPERAND])
-        message = reply.choices[0].message
-        if not message.tool_calls:
-            return 1.0 if (message.content or "").strip() == str(row["answer"]) else 0.0
-        messages.append(message.model_dump(exclude_none=True))
-        for call in message.tool_calls:
-            messages.append({"role": "tool", "tool_call_id": call.id,
-                             "content": str(row["b"])})
+        reward = answered(reply.choices[0].message, messages, row)
+        if reward is not None:
+            return reward
     return 0.0
 
 

@@ -22,11 +22,18 @@ def lookup_agent(client, row: dict) -> float:
     for _ in range(2):
         reply = client.chat.completions.create(model="posttrain-policy", messages=messages,
                                                tools=[OPERAND])
-        message = reply.choices[0].message
-        if not message.tool_calls:
-            return 1.0 if (message.content or "").strip() == str(row["answer"]) else 0.0
-        messages.append(message.model_dump(exclude_none=True))
-        for call in message.tool_calls:
-            messages.append({"role": "tool", "tool_call_id": call.id,
-                             "content": str(row["b"])})
+        reward = answered(reply.choices[0].message, messages, row)
+        if reward is not None:
+            return reward
     return 0.0
+
+
+def answered(message, messages: list, row: dict) -> float | None:
+    """After the model's ``message``: the episode's reward when it is the final answer (1 if
+    it is the sum), else None, its tool calls answered in ``messages``."""
+    if not message.tool_calls:
+        return 1.0 if (message.content or "").strip() == str(row["answer"]) else 0.0
+    messages.append(message.model_dump(exclude_none=True))
+    for call in message.tool_calls:
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": str(row["b"])})
+    return None

@@ -72,11 +72,10 @@ class PushFiles:
         self.keep_bytes = keep_bytes
         self.keep: bool | None = None
         """Whether the bucket files stay for the run (decided at the first bucket)."""
-        self._slots: dict[int, dict[str, torch.Tensor]] = {}
-        """Per kept bucket index: its tensors' views into the mapped file (its layout)."""
-        self._inodes: dict[int, int | None] = {}
-        """Per kept bucket index: its file's inode (a file removed under the run, or
-        replaced, is written afresh: the servers read the path, not the mapping)."""
+        self._slots: dict[int, tuple[dict[str, torch.Tensor], int | None]] = {}
+        """Per kept bucket index: its tensors' views into the mapped file (its layout), and
+        the file's inode (a file removed under the run, or replaced, is written afresh: the
+        servers read the path, not the mapping)."""
 
     def _path(self, name: str) -> str:
         if self.dir is None:
@@ -93,20 +92,19 @@ class PushFiles:
         if self.keep is None:
             self.keep = (self.keep_bytes > 0 and self.dir.startswith("/dev/shm/")
                          and shutil.disk_usage(self.dir).free >= 2 * self.keep_bytes)
-        slot = self._slots.get(index)
-        if slot is None or _layout(slot) != _layout(tensors) or (
-                _inode(path) != self._inodes.get(index)):  # (removed by someone else)
+        views, inode = self._slots.get(index, (None, None))
+        if views is None or _layout(views) != _layout(tensors) or (
+                _inode(path) != inode):  # (removed by someone else)
             from safetensors.torch import save_file
 
             self._slots.pop(index, None)
             os.makedirs(self.dir, exist_ok=True)
             save_file(tensors, path)
             if self.keep:
-                self._slots[index] = _views(path, tensors)
-                self._inodes[index] = _inode(path)
+                self._slots[index] = (_views(path, tensors), _inode(path))
         else:
             for name, t in tensors.items():
-                slot[name].copy_(t)
+                views[name].copy_(t)
         return path
 
     def release(self, index: int) -> None:
