@@ -75,8 +75,20 @@ def _config_help(cls) -> str:
     return "\n".join(lines)
 
 
+class _Parser(argparse.ArgumentParser):
+    """A command's parser whose help ends with its config keys, read from the config class's
+    source only when help is shown (not on every run)."""
+
+    config_class: str | None = None
+
+    def format_help(self) -> str:
+        if self.config_class and self.epilog is None:
+            self.epilog = _config_help(_config_class(self.config_class))
+        return super().format_help()
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="posttrain",
         description="Post-training for causal language models: SFT, reward models, DPO, "
                     "PPO, GRPO, DAPO, GSPO.",
@@ -87,8 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (help_text, cls_name, _) in _commands().items():
         p = sub.add_parser(name, help=help_text, description=help_text,
-                           epilog=_config_help(_config_class(cls_name)),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.config_class = cls_name
         p.add_argument("--config", help="YAML file of config keys")
     ev = sub.add_parser("eval", help="greedy accuracy and mean reward of a model, as JSON")
     ev.add_argument("--model", default="builtin",

@@ -35,6 +35,8 @@ import ast
 import json
 import re
 
+from posttrain import pysource
+
 _THINK = re.compile(r"^\s*<think>(.*?)</think>\s*", re.S)
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 _PLAIN = re.compile(r"^\s*call:\s*(.*)$", re.M)
@@ -140,7 +142,7 @@ def parse(text: str, parser: str, tools: list[dict] | None = None
     elif parser == "plain":
         for line in _PLAIN.findall(rest):
             try:
-                node = ast.parse(line.strip(), mode="eval").body
+                node = pysource.parse(line.strip(), mode="eval").body
                 if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) \
                         or node.args:
                     return reasoning, rest, []

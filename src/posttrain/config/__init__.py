@@ -23,6 +23,7 @@ from pathlib import Path
 
 import yaml
 
+from posttrain import pysource
 from posttrain.config.errors import ConfigError, check
 
 # --- loading ---------------------------------------------------------------------------------
@@ -33,7 +34,7 @@ def field_docs(cls: type) -> dict[str, str]:
     for klass in reversed(cls.__mro__):
         if not dataclasses.is_dataclass(klass):
             continue
-        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        tree = pysource.parse(textwrap.dedent(inspect.getsource(klass)))
         body = tree.body[0].body
         for node, nxt in itertools.pairwise(body):
             if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)

@@ -31,6 +31,7 @@ import contextlib
 import json
 import re
 
+from posttrain import pysource
 from posttrain.calls import timed
 from posttrain.episodes.env import load_object
 
@@ -87,7 +88,7 @@ def parse_calls(text: str, style: str) -> list[tuple[str, list, dict] | str]:
         return out
     for line in _PLAIN_CALL.findall(text):
         try:
-            node = ast.parse(line.strip(), mode="eval").body
+            node = pysource.parse(line.strip(), mode="eval").body
             if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name):
                 raise ValueError("expected name(arguments)")
             args = [ast.literal_eval(a) for a in node.args]

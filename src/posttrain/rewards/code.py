@@ -20,6 +20,8 @@ import ast
 import secrets
 import sys
 
+from posttrain import pysource
+
 
 def extract_code(completion: str) -> str:
     """The last fenced code block's body, without its info string (```` ```python ````); a
@@ -37,7 +39,7 @@ def split_tests(tests: str) -> list[tuple[str, str]]:
     """The top-level statements of ``tests``: ``(kind, source)``, kind ``assert`` or
     ``setup``. A SyntaxError names the problem."""
     return [("assert" if isinstance(node, ast.Assert) else "setup",
-             ast.get_source_segment(tests, node)) for node in ast.parse(tests).body]
+             ast.get_source_segment(tests, node)) for node in pysource.parse(tests).body]
 
 
 _HARNESS = '''\
