@@ -433,6 +433,38 @@ def test_many_episodes_are_answered_in_batches_with_the_episode_loops_seeds(monk
                            for s in (11, 12) for j in range(2) for r in range(2))
 
 
+
+def test_sync_episodes_reuse_clients_each_with_a_connection_of_its_own(monkeypatch):
+    """8 sync episodes, 2 at a time: 2 clients are made, the two episodes in flight hold one
+    each, and later episodes borrow them (one client's pool shared by every episode searched
+    all of its connections on each request);
+    every episode sees its own key; the run's end closes them."""
+    from posttrain.agents import runner
+
+    pytest.importorskip("openai")
+    made, seen = [], []
+    real = runner.client_for
+    monkeypatch.setattr(runner, "client_for",
+                        lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+
+    both = threading.Barrier(2, timeout=60)  # (the two in flight at once)
+
+    def agent(client, row):
+        seen.append((client.api_key, client._client))
+        both.wait()
+        out = client.chat.completions.create(model="posttrain-policy",
+                                             messages=[{"role": "user", "content": "go"}])
+        return float(out.choices[0].message.content == "a")
+
+    tok = merging_tokenizer()
+    hub = make_hub(tok, agent, concurrency=2)
+    eps = run(hub, Replies(tok, lambda ids, s: ids_of(tok, "a")), [{"q": i} for i in range(8)])
+    assert eps.valid.all() and len(made) <= 2 and len(seen) == 8
+    assert len({key for key, _ in seen}) == 8
+    assert {id(http) for _, http in seen} == {id(c._client) for c in made} and len(made) == 2
+    assert all(c._client.is_closed for c in made)
+
+
 # --- runs ---------------------------------------------------------------------------------
 def _grpo(tmp_path, name, **kw):
     import json as _json

@@ -95,11 +95,12 @@ def client_for(url: str, key: str, timeout: float, asynchronous: bool = False):
     except ImportError:
         raise RuntimeError("--agent needs the openai package: pip install "
                            "'posttrain[agents]'") from None
-    if not asynchronous:
-        return openai.OpenAI(base_url=url, api_key=key, max_retries=0, timeout=timeout)
-    # (an async agent's client is its episode's own, its connections bound to its event
-    # loop; made with the run's one TLS context, it takes ~0.5 ms, not the ~25 ms of
+    # (made with the run's one TLS context, a client takes ~0.5 ms, not the ~25 ms of
     # building a context — the endpoint speaks plain HTTP, but httpx builds one anyway)
+    if not asynchronous:
+        return openai.OpenAI(base_url=url, api_key=key, max_retries=0, timeout=timeout,
+                             http_client=openai.DefaultHttpxClient(verify=_tls()))
+    # (an async agent's client is its episode's own, its connections bound to its event loop)
     return openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0, timeout=timeout,
                               http_client=openai.DefaultAsyncHttpxClient(verify=_tls()))
 
@@ -161,7 +162,8 @@ class Hub:
         self.endpoint = Endpoint(self, self.key)
         self.url = self.endpoint.url
         self._runs = 0
-        self._shared = None
+        self._clients: list = []
+        """Sync clients not in use (each episode takes one and gives it back)."""
 
     def renderer_for(self, tools: list | None) -> Renderer:
         """The renderer of a request's tools (one per distinct set, kept)."""
@@ -178,17 +180,25 @@ class Hub:
         return late
 
     def close(self) -> None:
-        if self._shared is not None:
-            self._shared.close()
+        with self.cond:
+            clients, self._clients = self._clients, []
+        for c in clients:
+            c.close()
         self.endpoint.close()
 
-    def _client(self):
-        """The run's ``openai`` client (made once: making one takes tens of milliseconds);
-        each episode gets a copy with its own key."""
+    def _take_client(self):
+        """A sync ``openai`` client for one episode: one given back by an earlier episode,
+        or a new one. Each holds its own connection (kept alive for the next episode):
+        episodes sharing one client's pool paid for it on every request, its search for a
+        free connection running over every connection in flight."""
         with self.cond:
-            if self._shared is None:
-                self._shared = client_for(self.url, self.key, self.spec.timeout)
-            return self._shared
+            if self._clients:
+                return self._clients.pop()
+        return client_for(self.url, self.key, self.spec.timeout)
+
+    def _give_client(self, client) -> None:
+        with self.cond:
+            self._clients.append(client)
 
     # --- HTTP -------------------------------------------------------------------------
     def models(self) -> dict:
@@ -376,8 +386,12 @@ class Hub:
                     async with client_for(self.url, key, self.spec.timeout, True) as client:
                         return await fn(client, row)
                 got = asyncio.run(go())
-            else:  # a copy of the run's client: the connections are shared, the key its own
-                got = fn(self._client().with_options(api_key=key), row)
+            else:  # (a copy with the episode's key: the connection is the client's)
+                client = self._take_client()
+                try:
+                    got = fn(client.with_options(api_key=key), row)
+                finally:
+                    self._give_client(client)
         except Exception as e:
             self._fail(ep, f"raised {type(e).__name__}: {e}")
         else:
