@@ -4,6 +4,7 @@ runs that train through it."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 import threading
@@ -434,35 +435,61 @@ def test_many_episodes_are_answered_in_batches_with_the_episode_loops_seeds(monk
 
 
 
-def test_sync_episodes_reuse_clients_each_with_a_connection_of_its_own(monkeypatch):
-    """8 sync episodes, 2 at a time: 2 clients are made, the two episodes in flight hold one
-    each, and later episodes borrow them (one client's pool shared by every episode searched
-    all of its connections on each request);
-    every episode sees its own key; the run's end closes them."""
-    from posttrain.agents import runner
-
-    pytest.importorskip("openai")
-    made, seen = [], []
-    real = runner.client_for
-    monkeypatch.setattr(runner, "client_for",
-                        lambda *a, **k: made.append(real(*a, **k)) or made[-1])
-
-    both = threading.Barrier(2, timeout=60)  # (the two in flight at once)
+def test_the_runs_clients_are_answered_in_process_as_over_http():
+    """The clients posttrain hands to agents (sync and async) never open a socket: the
+    endpoint answers them in process. Any other client speaks HTTP, and gets the same
+    answer to the same request: the key check, the routes, a body that is not JSON."""
+    openai = pytest.importorskip("openai")
+    from posttrain.agents.endpoint import client_for
 
     def agent(client, row):
-        seen.append((client.api_key, client._client))
-        both.wait()
         out = client.chat.completions.create(model="posttrain-policy",
                                              messages=[{"role": "user", "content": "go"}])
         return float(out.choices[0].message.content == "a")
 
+    async def async_agent(client, row):
+        out = await client.chat.completions.create(
+            model="posttrain-policy", messages=[{"role": "user", "content": "go"}])
+        return float(out.choices[0].message.content == "a")
+
     tok = merging_tokenizer()
-    hub = make_hub(tok, agent, concurrency=2)
-    eps = run(hub, Replies(tok, lambda ids, s: ids_of(tok, "a")), [{"q": i} for i in range(8)])
-    assert eps.valid.all() and len(made) <= 2 and len(seen) == 8
-    assert len({key for key, _ in seen}) == 8
-    assert {id(http) for _, http in seen} == {id(c._client) for c in made} and len(made) == 2
-    assert all(c._client.is_closed for c in made)
+    connections = []
+
+    def counted(serve):
+        return lambda *a: connections.append(a) or serve(*a)
+
+    for fn in (agent, async_agent):
+        hub = make_hub(tok, fn, concurrency=2)
+        hub.endpoint.server.process_request = counted(hub.endpoint.server.process_request)
+        eps = run(hub, Replies(tok, lambda ids, s: ids_of(tok, "a")),
+                  [{"q": i} for i in range(4)])
+        assert eps.valid.all() and eps.returns.tolist() == [1.0] * 4
+    assert connections == []
+
+    hub = make_hub(tok, agent)
+    try:
+        httpx = importlib.import_module(openai.DefaultHttpxClient.__mro__[1].__module__
+                                        .split(".")[0])
+        local = client_for(hub.url, hub.key + ".e1", 30.0, endpoint=hub.endpoint)
+        cases = [("chat/completions", b'{"model": "posttrain-policy"', hub.key + ".e1"),
+                 ("chat/completions", b"{}", ""), ("chat/completions", b"{}", "wrong.e1"),
+                 ("nowhere", b"{}", hub.key + ".e1"), ("models", None, hub.key + ".e1")]
+        for route, body, key in cases:
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            request = httpx.Request("GET" if body is None else "POST",
+                                    f"{hub.url}/{route}", content=body, headers=headers)
+            got = local._client._transport.handle_request(request)
+            req = urllib.request.Request(f"{hub.url}/{route}", data=body, headers=headers)
+            try:
+                with urllib.request.urlopen(req, timeout=30) as r:
+                    want = (r.status, json.loads(r.read()))
+            except urllib.error.HTTPError as e:
+                want = (e.code, json.loads(e.read()))
+            assert (got.status_code, json.loads(got.read())) == want, (route, key)
+            assert want[0] == {"chat/completions": 401 if key != hub.key + ".e1" else 409,
+                               "nowhere": 404, "models": 200}[route]
+    finally:
+        hub.close()
 
 
 # --- runs ---------------------------------------------------------------------------------

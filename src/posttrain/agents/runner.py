@@ -5,7 +5,9 @@ For every row and sample posttrain calls ``fn(client, row)`` (a function or a co
 function) on a pool of ``--agent_concurrency`` threads, each episode under
 ``--agent_timeout`` seconds of wall clock. ``client`` is an ``openai.OpenAI`` client (an
 ``openai.AsyncOpenAI`` one for a coroutine function) whose ``base_url`` is the endpoint and
-whose ``api_key`` names the episode; any other framework takes the same two strings. ``fn``
+whose ``api_key`` names the episode (answered in process by the endpoint, through the same
+checks, not over a socket); any other framework takes the same two strings and speaks HTTP.
+``fn``
 returns the episode's reward: a number, a dict of named terms (summed; each logged), or
 None to let the ``--reward`` terms score the final conversation.
 
@@ -27,7 +29,6 @@ rewrote its history is several trajectories, each trained on its own tokens as o
 from __future__ import annotations
 
 import asyncio
-import functools
 import inspect
 import json
 import math
@@ -39,7 +40,7 @@ from dataclasses import dataclass, field
 
 from posttrain.agents import parsers
 from posttrain.agents.capture import Capture, RequestError, normalise
-from posttrain.agents.endpoint import Endpoint, error
+from posttrain.agents.endpoint import Endpoint, client_for, error
 from posttrain.calls import Workers
 from posttrain.episodes.render import Renderer
 from posttrain.rollout import Request, SamplingParams
@@ -85,31 +86,6 @@ class AgentSpec:
         if not callable(fn):
             raise ValueError(f"agent {spec!r} is a {type(fn).__name__}, not a function")
         return cls(fn, spec.rsplit(":", 1)[-1], parser, timeout, concurrency)
-
-
-def client_for(url: str, key: str, timeout: float, asynchronous: bool = False):
-    """An ``openai`` client of the endpoint for one episode (no retries: a refused request is
-    the agent's to see)."""
-    try:
-        import openai
-    except ImportError:
-        raise RuntimeError("--agent needs the openai package: pip install "
-                           "'posttrain[agents]'") from None
-    # (made with the run's one TLS context, a client takes ~0.5 ms, not the ~25 ms of
-    # building a context — the endpoint speaks plain HTTP, but httpx builds one anyway)
-    if not asynchronous:
-        return openai.OpenAI(base_url=url, api_key=key, max_retries=0, timeout=timeout,
-                             http_client=openai.DefaultHttpxClient(verify=_tls()))
-    # (an async agent's client is its episode's own, its connections bound to its event loop)
-    return openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0, timeout=timeout,
-                              http_client=openai.DefaultAsyncHttpxClient(verify=_tls()))
-
-
-@functools.lru_cache(maxsize=1)
-def _tls():
-    import ssl
-
-    return ssl.create_default_context()
 
 
 @dataclass
@@ -162,8 +138,7 @@ class Hub:
         self.endpoint = Endpoint(self, self.key)
         self.url = self.endpoint.url
         self._runs = 0
-        self._clients: list = []
-        """Sync clients not in use (each episode takes one and gives it back)."""
+        self._shared = None
 
     def renderer_for(self, tools: list | None) -> Renderer:
         """The renderer of a request's tools (one per distinct set, kept)."""
@@ -180,25 +155,18 @@ class Hub:
         return late
 
     def close(self) -> None:
-        with self.cond:
-            clients, self._clients = self._clients, []
-        for c in clients:
-            c.close()
+        if self._shared is not None:
+            self._shared.close()
         self.endpoint.close()
 
-    def _take_client(self):
-        """A sync ``openai`` client for one episode: one given back by an earlier episode,
-        or a new one. Each holds its own connection (kept alive for the next episode):
-        episodes sharing one client's pool paid for it on every request, its search for a
-        free connection running over every connection in flight."""
+    def _client(self):
+        """The run's sync ``openai`` client, answered in process by the endpoint (made once;
+        each episode gets a copy with its own key)."""
         with self.cond:
-            if self._clients:
-                return self._clients.pop()
-        return client_for(self.url, self.key, self.spec.timeout)
-
-    def _give_client(self, client) -> None:
-        with self.cond:
-            self._clients.append(client)
+            if self._shared is None:
+                self._shared = client_for(self.url, self.key, self.spec.timeout,
+                                          endpoint=self.endpoint)
+            return self._shared
 
     # --- HTTP -------------------------------------------------------------------------
     def models(self) -> dict:
@@ -381,17 +349,14 @@ class Hub:
         key = f"{self.key}.{ep.name}"
         try:
             row = {k: v for k, v in ep.row.items() if k != "_row"}
-            if asynchronous:  # (a client of its own: one's connections belong to one loop)
+            if asynchronous:  # (a client of its own: an async client belongs to one loop)
                 async def go():
-                    async with client_for(self.url, key, self.spec.timeout, True) as client:
+                    async with client_for(self.url, key, self.spec.timeout, True,
+                                          self.endpoint) as client:
                         return await fn(client, row)
                 got = asyncio.run(go())
-            else:  # (a copy with the episode's key: the connection is the client's)
-                client = self._take_client()
-                try:
-                    got = fn(client.with_options(api_key=key), row)
-                finally:
-                    self._give_client(client)
+            else:
+                got = fn(self._client().with_options(api_key=key), row)
         except Exception as e:
             self._fail(ep, f"raised {type(e).__name__}: {e}")
         else:
