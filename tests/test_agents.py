@@ -435,12 +435,10 @@ def test_many_episodes_are_answered_in_batches_with_the_episode_loops_seeds(monk
 
 
 
-def test_the_runs_clients_are_answered_in_process_as_over_http():
+def test_the_runs_clients_are_answered_in_process():
     """The clients posttrain hands to agents (sync and async) never open a socket: the
-    endpoint answers them in process. Any other client speaks HTTP, and gets the same
-    answer to the same request: the key check, the routes, a body that is not JSON."""
-    openai = pytest.importorskip("openai")
-    from posttrain.agents.endpoint import client_for
+    endpoint answers them in process."""
+    pytest.importorskip("openai")
 
     def agent(client, row):
         out = client.chat.completions.create(model="posttrain-policy",
@@ -466,30 +464,140 @@ def test_the_runs_clients_are_answered_in_process_as_over_http():
         assert eps.valid.all() and eps.returns.tolist() == [1.0] * 4
     assert connections == []
 
-    hub = make_hub(tok, agent)
+
+def _live(hub, name="e1"):
+    """An episode ``name`` of ``hub`` running (no agent behind it: the test sends its
+    requests; not started, so a request's wait is the whole --agent_timeout)."""
+    from posttrain.agents.capture import Capture
+    from posttrain.agents.runner import _Episode
+
+    ep = _Episode(name, {"q": 1}, 1, None, Capture(hub.renderer_for), PARAMS)
+    hub.episodes = {name: ep}
+    return ep
+
+
+def _httpx():
+    import openai
+
+    return importlib.import_module(openai.DefaultHttpxClient.__mro__[1].__module__
+                                   .split(".")[0])
+
+
+def test_in_process_and_http_answer_the_same_requests_alike(monkeypatch):
+    """The same requests, in process and over HTTP, during a live episode: no key, a wrong
+    key, a body that is not JSON, one over the size limit, an unknown route, the model
+    list, a failure of the endpoint's own (a 500 naming it, not an exception in the
+    agent)."""
+    pytest.importorskip("openai")
+    from posttrain.agents import endpoint as ep_module
+    from posttrain.agents.endpoint import client_for
+
+    monkeypatch.setattr(ep_module, "MAX_BODY", 1000)
+    tok = merging_tokenizer()
+    hub = make_hub(tok, None)
     try:
-        httpx = importlib.import_module(openai.DefaultHttpxClient.__mro__[1].__module__
-                                        .split(".")[0])
-        local = client_for(hub.url, hub.key + ".e1", 30.0, endpoint=hub.endpoint)
-        cases = [("chat/completions", b'{"model": "posttrain-policy"', hub.key + ".e1"),
-                 ("chat/completions", b"{}", ""), ("chat/completions", b"{}", "wrong.e1"),
-                 ("nowhere", b"{}", hub.key + ".e1"), ("models", None, hub.key + ".e1")]
-        for route, body, key in cases:
-            headers = {"Authorization": f"Bearer {key}"} if key else {}
-            request = httpx.Request("GET" if body is None else "POST",
-                                    f"{hub.url}/{route}", content=body, headers=headers)
-            got = local._client._transport.handle_request(request)
-            req = urllib.request.Request(f"{hub.url}/{route}", data=body, headers=headers)
-            try:
-                with urllib.request.urlopen(req, timeout=30) as r:
-                    want = (r.status, json.loads(r.read()))
-            except urllib.error.HTTPError as e:
-                want = (e.code, json.loads(e.read()))
-            assert (got.status_code, json.loads(got.read())) == want, (route, key)
-            assert want[0] == {"chat/completions": 401 if key != hub.key + ".e1" else 409,
-                               "nowhere": 404, "models": 200}[route]
+        httpx = _httpx()
+        transport = client_for(hub.url, "x", 30.0, endpoint=hub.endpoint)._client._transport
+        key = hub.key + ".e1"
+        cases = [("chat/completions", b'{"model": "posttrain-policy"', key, 400),
+                 ("chat/completions", b"{}", "", 401),
+                 ("chat/completions", b"{}", "wrong.e1", 401),
+                 ("chat/completions", b'{"messages": "' + b"x" * 1100 + b'"}', key, 413),
+                 ("nowhere", b"{}", key, 404), ("models", None, key, 200),
+                 ("chat/completions", b'{"temperature": 1' + b"0" * 400 + b"}", key, 400),
+                 ("chat/completions", b"{}", key, 500)]
+        for route, body, auth, status in cases:
+            if status == 500:
+                monkeypatch.setattr(hub, "answer", lambda *a: {}["boom"])
+            answers = []
+            for way in ("in process", "http"):
+                _live(hub)
+                headers = {"Authorization": f"Bearer {auth}"} if auth else {}
+                if way == "in process":
+                    got = transport.handle_request(httpx.Request(
+                        "GET" if body is None else "POST", f"{hub.url}/{route}",
+                        content=body, headers=headers))
+                    answers.append((got.status_code, json.loads(got.read())))
+                    continue
+                req = urllib.request.Request(f"{hub.url}/{route}", data=body, headers=headers)
+                try:
+                    with urllib.request.urlopen(req, timeout=30) as r:
+                        answers.append((r.status, json.loads(r.read())))
+                except urllib.error.HTTPError as e:
+                    answers.append((e.code, json.loads(e.read())))
+            assert answers[0] == answers[1] and answers[0][0] == status, (route, status)
+        assert "KeyError" in answers[0][1]["error"]["message"]
     finally:
         hub.close()
+
+
+def test_in_process_clients_keep_their_timeout_and_reach_other_addresses():
+    """A request the engine does not answer within the client's read timeout raises the
+    SDK's timeout error, as over HTTP (not the episode's own bound); the same client sent
+    to another address goes there over the network."""
+    import http.server
+
+    openai = pytest.importorskip("openai")
+    from posttrain.agents.endpoint import client_for
+
+    class Elsewhere(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            data = json.dumps({"object": "list", "data": [
+                {"id": "elsewhere", "object": "model", "owned_by": "x", "created": 0}]})
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data.encode())
+
+        def log_message(self, *a):
+            pass
+
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Elsewhere)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    tok = merging_tokenizer()
+    hub = make_hub(tok, None, timeout=60.0)
+    try:
+        _live(hub)
+        client = client_for(hub.url, hub.key + ".e1", 60.0, endpoint=hub.endpoint)
+        with pytest.raises(openai.APITimeoutError):
+            client.with_options(timeout=0.3).chat.completions.create(
+                model="posttrain-policy", messages=[{"role": "user", "content": "go"}])
+        away = client.with_options(base_url=f"http://127.0.0.1:{other.server_address[1]}/v1")
+        assert [m.id for m in away.models.list().data] == ["elsewhere"]
+        assert [m.id for m in client.models.list().data] == ["posttrain-policy"]
+    finally:
+        hub.close()
+        other.shutdown()
+        other.server_close()
+
+
+def test_an_engine_that_fails_leaves_no_request_waiting():
+    """The engine raises while sampling a batch: the run stops with the error, and the
+    batch's requests are answered at once (504), not left waiting out the episode's time —
+    an async agent's request waits on a thread of its own, which would hold the process
+    open at exit."""
+    import time as _time
+
+    pytest.importorskip("openai")
+
+    class Broken(Replies):
+        def generate(self, *a, **k):
+            raise RuntimeError("the engine broke")
+
+    async def agent(client, row):
+        await client.chat.completions.create(model="posttrain-policy",
+                                             messages=[{"role": "user", "content": "go"}])
+        return 1.0
+
+    tok = merging_tokenizer()
+    with pytest.raises(RuntimeError, match="the engine broke"):
+        run(make_hub(tok, agent, timeout=120.0), Broken(tok, None), [{"q": 1}, {"q": 2}])
+    deadline = _time.monotonic() + 20
+    while _time.monotonic() < deadline and any(
+            t.name == "posttrain-agent-answer" for t in threading.enumerate()):
+        _time.sleep(0.05)
+    assert not [t for t in threading.enumerate() if t.name == "posttrain-agent-answer"]
 
 
 # --- runs ---------------------------------------------------------------------------------

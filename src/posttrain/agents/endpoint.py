@@ -12,6 +12,7 @@ transport: the same checks and answers, no socket).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hmac
 import importlib
@@ -50,8 +51,9 @@ class Endpoint:
 
             def _episode(self) -> str | None:
                 episode = endpoint.episode_of(self.headers.get("Authorization", ""))
-                if episode is None:
+                if episode is None:  # (its body unread: the connection cannot go on)
                     self._reply(*UNAUTHORISED)
+                    self.close_connection = True
                 return episode
 
             def do_GET(self):
@@ -62,9 +64,14 @@ class Endpoint:
                 episode = self._episode()
                 if episode is None:
                     return
-                n = int(self.headers.get("Content-Length") or 0)
-                if n > MAX_BODY:
-                    self._reply(413, _error(f"the body is over {MAX_BODY} bytes", 413))
+                try:
+                    n = int(self.headers.get("Content-Length") or 0)
+                except ValueError:
+                    n = -1
+                if n < 0 or n > MAX_BODY:
+                    self._reply(*((413, _error(f"the body is over {MAX_BODY} bytes", 413))
+                                  if n > MAX_BODY else
+                                  (400, _error("a bad Content-Length", 400))))
                     self.close_connection = True
                     return
                 self._reply(*endpoint.respond("POST", self.path, episode, self.rfile.read(n)))
@@ -84,8 +91,11 @@ class Endpoint:
             return None
         return episode
 
-    def respond(self, method: str, path: str, episode: str, raw: bytes) -> tuple[int, dict]:
-        """A request of an episode whose key was checked: ``(status, json)``."""
+    def respond(self, method: str, path: str, episode: str, raw: bytes,
+                wait: float | None = None) -> tuple[int, dict]:
+        """A request of an episode whose key was checked: ``(status, json)``; a failure of
+        the run's own is a 500 that names it. ``wait``: the longest to wait for the sample
+        (the in-process client's read timeout; TimeoutError past it)."""
         route = path.split("?", 1)[0].rstrip("/")
         if method == "GET" and route == "/v1/models":
             return 200, self.hub.models()
@@ -97,38 +107,84 @@ class Endpoint:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             body = ValueError(f"the body is not JSON ({e})")
-        return self.hub.answer(route, episode, body)
+        try:
+            return self.hub.answer(route, episode, body, wait)
+        except TimeoutError:
+            raise
+        except Exception as e:
+            return 500, _error(f"the endpoint failed: {type(e).__name__}: {e}", 500)
 
     def transport(self, httpx, asynchronous: bool = False):
         """An ``httpx`` transport (of the module ``httpx``: the one the ``openai`` client is
-        built on) that answers in process what this endpoint would answer over HTTP, with
-        the same key check, routes and errors: the run's own clients skip the sockets and
-        both sides' HTTP parsing (~0.5 ms of CPU a request). Any other client (the plain
-        ``base_url``) speaks HTTP."""
-        endpoint = self
+        built on) that answers in process what this endpoint would answer over HTTP — the
+        same key check, routes and answers, the client's read timeout kept — and sends a
+        request for any other address over the network: the run's own clients skip the
+        sockets and both sides' HTTP parsing (~0.5 ms of CPU a request). Any other client
+        (the plain ``base_url``) speaks HTTP."""
+        endpoint, here = self, httpx.URL(self.url)
 
-        def answer(request, raw: bytes) -> tuple[int, dict]:
+        def ours(request) -> bool:
+            u = request.url
+            return (u.scheme, u.host, u.port) == (here.scheme, here.host, here.port)
+
+        def answer(request, raw: bytes):
             episode = endpoint.episode_of(request.headers.get("Authorization", ""))
             if episode is None:
-                return UNAUTHORISED
-            return endpoint.respond(request.method, request.url.path, episode, raw)
-
-        def response(code: int, body: dict):
+                code, body = UNAUTHORISED
+            else:
+                wait = (request.extensions.get("timeout") or {}).get("read")
+                try:
+                    code, body = endpoint.respond(request.method, request.url.path, episode,
+                                                  raw, wait)
+                except TimeoutError as e:
+                    raise httpx.ReadTimeout(str(e), request=request) from None
             return httpx.Response(code, headers={"Content-Type": "application/json"},
                                   content=json.dumps(body).encode())
 
         if not asynchronous:
             class Local(httpx.BaseTransport):
+                network = None
+
                 def handle_request(self, request):
-                    return response(*answer(request, request.read()))
+                    if ours(request):
+                        return answer(request, request.read())
+                    self.network = self.network or httpx.HTTPTransport(verify=_tls())
+                    return self.network.handle_request(request)
+
+                def close(self):
+                    if self.network is not None:
+                        self.network.close()
 
             return Local()
 
         class LocalAsync(httpx.AsyncBaseTransport):
+            network = None
+
             async def handle_async_request(self, request):
-                # (the answer waits for the engine: off the agent's event loop)
+                if not ours(request):
+                    self.network = self.network or httpx.AsyncHTTPTransport(verify=_tls())
+                    return await self.network.handle_async_request(request)
                 raw = await request.aread()
-                return response(*await asyncio.to_thread(answer, request, raw))
+                # (the answer waits for the engine: on a daemon thread, off the agent's event
+                # loop, so that nothing left waiting holds the interpreter open at exit)
+                loop = asyncio.get_running_loop()
+                done = loop.create_future()
+
+                def work():
+                    try:
+                        out, err = answer(request, raw), None
+                    except BaseException as e:  # (handed to the agent's loop)
+                        out, err = None, e
+                    with contextlib.suppress(RuntimeError):  # (its loop closed: gone)
+                        loop.call_soon_threadsafe(_settle, done, out, err)
+
+                threading.Thread(target=work, name="posttrain-agent-answer",
+                                 daemon=True).start()
+                return await done
+
+            async def aclose(self):
+                if self.network is not None:
+                    await self.network.aclose()
 
         return LocalAsync()
 
@@ -172,6 +228,14 @@ class _Server(ThreadingHTTPServer):
 
 def _error(message: str, code: int) -> dict:
     return {"error": {"message": message, "type": "invalid_request_error", "code": code}}
+
+
+def _settle(future, out, err) -> None:
+    if not future.done():  # (cancelled by the agent: nobody waits)
+        if err is not None:
+            future.set_exception(err)
+        else:
+            future.set_result(out)
 
 
 UNAUTHORISED = (401, _error("the run's key is missing or wrong", 401))

@@ -7,9 +7,8 @@ function) on a pool of ``--agent_concurrency`` threads, each episode under
 ``openai.AsyncOpenAI`` one for a coroutine function) whose ``base_url`` is the endpoint and
 whose ``api_key`` names the episode (answered in process by the endpoint, through the same
 checks, not over a socket); any other framework takes the same two strings and speaks HTTP.
-``fn``
-returns the episode's reward: a number, a dict of named terms (summed; each logged), or
-None to let the ``--reward`` terms score the final conversation.
+``fn`` returns the episode's reward: a number, a dict of named terms (summed; each logged),
+or None to let the ``--reward`` terms score the final conversation.
 
 The requests of all episodes in flight are answered in batches: a batch is sampled once
 every running episode is waiting on a request, or when requests stop coming for a moment
@@ -173,7 +172,10 @@ class Hub:
         return {"object": "list", "data": [{"id": MODEL, "object": "model",
                                             "owned_by": "posttrain"}]}
 
-    def answer(self, route: str, name: str, body) -> tuple[int, dict]:
+    def answer(self, route: str, name: str, body, wait: float | None = None
+               ) -> tuple[int, dict]:
+        """A request of episode ``name``: ``(status, json)``. ``wait``: the longest to
+        wait for its sample (TimeoutError past it; the sample, drawn later, is dropped)."""
         with self.cond:
             ep = self.episodes.get(name)
             if ep is None or ep.finished:
@@ -210,7 +212,10 @@ class Hub:
                 self.pending.append(job)
                 self.cond.notify_all()
             left = self.spec.timeout - (time.monotonic() - (ep.started or time.monotonic()))
-            if not job.done.wait(max(left, 0.0) + 5.0) or job.result is None:
+            bound = max(left, 0.0) + 5.0
+            if wait is not None and wait < bound and not job.done.wait(wait):
+                raise TimeoutError(f"no answer within {wait:g} s")
+            if not job.done.wait(bound) or job.result is None:
                 return 504, error("the episode timed out, or the run stopped", 504)
             ids, logps, text, version, ended = job.result
             if route == "/v1/completions":
@@ -268,7 +273,7 @@ class Hub:
         p = ep.params
         run = {"temperature": p.temperature, "top_p": p.top_p}
         bad = [k for k, v in run.items() if body.get(k) is not None and
-               (not isinstance(body[k], numbers.Real) or float(body[k]) != v)]
+               (not isinstance(body[k], numbers.Real) or not _equal(body[k], v))]
         bad += [k for k in ("n", "best_of") if body.get(k) not in (None, 1)]
         bad += [k for k in ("max_tokens", "max_completion_tokens")
                 if body.get(k) is not None and (not isinstance(body[k], int)
@@ -398,7 +403,11 @@ class Hub:
             if before_batch is not None and batches:
                 before_batch(batches)
             batches += 1
-            self._sample(engine, batch, params, extras)
+            try:
+                self._sample(engine, batch, params, extras)
+            finally:  # (an engine that failed: the batch's requests answered 504, not left)
+                for job in batch:
+                    job.done.set()
 
     def _sample(self, engine, batch: list[_Pending], params: SamplingParams, extras) -> None:
         eos = self.tok.eos_token_id
@@ -413,6 +422,14 @@ class Hub:
                 job.result = (ids, out.logprobs[k][m].tolist(), out.texts[k],
                               out.policy_version, bool(ids) and ids[-1] == eos)
                 job.done.set()
+
+
+def _equal(x, v: float) -> bool:
+    """``x == v`` for a JSON number ``x`` (an integer too large for a float is not)."""
+    try:
+        return float(x) == v
+    except OverflowError:
+        return False
 
 
 def _reward(got):

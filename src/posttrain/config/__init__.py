@@ -13,7 +13,6 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
-import inspect
 import itertools
 import textwrap
 import types
@@ -34,7 +33,7 @@ def field_docs(cls: type) -> dict[str, str]:
     for klass in reversed(cls.__mro__):
         if not dataclasses.is_dataclass(klass):
             continue
-        tree = pysource.parse(textwrap.dedent(inspect.getsource(klass)))
+        tree = pysource.parse(textwrap.dedent(pysource.class_source(klass)))
         body = tree.body[0].body
         for node, nxt in itertools.pairwise(body):
             if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
