@@ -4,6 +4,8 @@ runs that train through it."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import importlib
 import json
 import re
@@ -490,21 +492,22 @@ def test_in_process_and_http_answer_the_same_requests_alike(monkeypatch):
     agent)."""
     pytest.importorskip("openai")
     from posttrain.agents import endpoint as ep_module
-    from posttrain.agents.endpoint import client_for
 
-    monkeypatch.setattr(ep_module, "MAX_BODY", 1000)
+    monkeypatch.setattr(ep_module, "MAX_BODY", 200_000)
     tok = merging_tokenizer()
     hub = make_hub(tok, None)
     try:
         httpx = _httpx()
-        transport = client_for(hub.url, "x", 30.0, endpoint=hub.endpoint)._client._transport
+        transport = hub.endpoint.transport(httpx)
         key = hub.key + ".e1"
         cases = [("chat/completions", b'{"model": "posttrain-policy"', key, 400),
                  ("chat/completions", b"{}", "", 401),
                  ("chat/completions", b"{}", "wrong.e1", 401),
-                 ("chat/completions", b'{"messages": "' + b"x" * 1100 + b'"}', key, 413),
+                 ("chat/completions", b'{"messages": "' + b"x" * 200_100 + b'"}', key, 413),
                  ("nowhere", b"{}", key, 404), ("models", None, key, 200),
                  ("chat/completions", b'{"temperature": 1' + b"0" * 400 + b"}", key, 400),
+                 ("chat/completions", b'{"top_p": 1' + b"0" * 5000 + b"}", key, 400),
+                 ("chat/completions", b"[" * 100_000, key, 400),
                  ("chat/completions", b"{}", key, 500)]
         for route, body, auth, status in cases:
             if status == 500:
@@ -560,9 +563,31 @@ def test_in_process_clients_keep_their_timeout_and_reach_other_addresses():
     try:
         _live(hub)
         client = client_for(hub.url, hub.key + ".e1", 60.0, endpoint=hub.endpoint)
+        go = [{"role": "user", "content": "go"}]
+        def waits_on():
+            with contextlib.suppress(openai.APIError):
+                client.with_options(timeout=None).chat.completions.create(
+                    model="posttrain-policy", messages=go)
+
+        first = threading.Thread(target=waits_on, daemon=True)
+        first.start()  # (its request waits for a sample that never comes, holding the
+        # episode: a second request's timeout counts from its start, not from its turn)
+        while not hub.pending and first.is_alive():
+            first.join(0.01)
         with pytest.raises(openai.APITimeoutError):
             client.with_options(timeout=0.3).chat.completions.create(
-                model="posttrain-policy", messages=[{"role": "user", "content": "go"}])
+                model="posttrain-policy", messages=go)
+        assert first.is_alive() and len(hub.pending) == 1  # (the second never queued)
+
+        async def asynchronous():
+            async with client_for(hub.url, hub.key + ".e2", 60.0, True, hub.endpoint) as c:
+                await c.with_options(timeout=0.3).chat.completions.create(
+                    model="posttrain-policy", messages=go)
+
+        _live(hub, "e2")
+        with pytest.raises(openai.APITimeoutError):
+            asyncio.run(asynchronous())
+        assert [j.episode.name for j in hub.pending] == ["e1"]  # (e2's job withdrawn)
         away = client.with_options(base_url=f"http://127.0.0.1:{other.server_address[1]}/v1")
         assert [m.id for m in away.models.list().data] == ["elsewhere"]
         assert [m.id for m in client.models.list().data] == ["posttrain-policy"]
@@ -576,9 +601,7 @@ def test_an_engine_that_fails_leaves_no_request_waiting():
     """The engine raises while sampling a batch: the run stops with the error, and the
     batch's requests are answered at once (504), not left waiting out the episode's time —
     an async agent's request waits on a thread of its own, which would hold the process
-    open at exit."""
-    import time as _time
-
+    open at exit. Likewise when the hook before a later batch fails."""
     pytest.importorskip("openai")
 
     class Broken(Replies):
@@ -591,13 +614,31 @@ def test_an_engine_that_fails_leaves_no_request_waiting():
         return 1.0
 
     tok = merging_tokenizer()
+    before = set(threading.enumerate())
     with pytest.raises(RuntimeError, match="the engine broke"):
         run(make_hub(tok, agent, timeout=120.0), Broken(tok, None), [{"q": 1}, {"q": 2}])
-    deadline = _time.monotonic() + 20
-    while _time.monotonic() < deadline and any(
-            t.name == "posttrain-agent-answer" for t in threading.enumerate()):
-        _time.sleep(0.05)
-    assert not [t for t in threading.enumerate() if t.name == "posttrain-agent-answer"]
+    hub = make_hub(tok, agent, timeout=120.0)
+
+    def later(k):
+        raise RuntimeError("newer weights failed to load")
+
+    async def twice(client, row):
+        for _ in range(2):
+            await client.chat.completions.create(
+                model="posttrain-policy", messages=[{"role": "user", "content": "go"}])
+        return 1.0
+
+    hub.spec.fn = twice
+
+    with pytest.raises(RuntimeError, match="newer weights"):  # (partial rollouts' hook)
+        run_agents(hub, Replies(tok, lambda ids, s: ids_of(tok, "a")), tok, [{"q": 1}], 2,
+                   [None], PARAMS, "raise", False, before_batch=later)
+    hub.close()
+    waiting = [t for t in threading.enumerate()
+               if t.name == "posttrain-agent-answer" and t not in before]
+    for t in waiting:
+        t.join(20)
+    assert not [t for t in waiting if t.is_alive()]
 
 
 # --- runs ---------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ tokens.
 from __future__ import annotations
 
 import json
+import numbers
 from dataclasses import dataclass, field
 
 from posttrain.episodes.render import TemplateError
@@ -203,3 +204,29 @@ class Capture:
         t.ended, t.reasoning = ended, reasoning
         t.requests += 1
         return t
+
+
+def check_sampling(p, body: dict) -> None:
+    """Sampling parameters are the run's (``p``, a ``SamplingParams``): a request may repeat
+    them, not change them (RequestError naming what it changes)."""
+    run = {"temperature": p.temperature, "top_p": p.top_p}
+    bad = [k for k, v in run.items() if body.get(k) is not None and
+           (not isinstance(body[k], numbers.Real) or not _equal(body[k], v))]
+    bad += [k for k in ("n", "best_of") if body.get(k) not in (None, 1)]
+    bad += [k for k in ("max_tokens", "max_completion_tokens")
+            if body.get(k) is not None and (not isinstance(body[k], int)
+                                            or body[k] < p.max_new_tokens)]
+    bad += ["stream"] if body.get("stream") else []
+    if bad:
+        raise RequestError(
+            f"{', '.join(bad)}: sampling is the run's (temperature {p.temperature:g}, "
+            f"top_p {p.top_p:g}, at most {p.max_new_tokens} new tokens, n 1, no "
+            "streaming); a request may leave them out")
+
+
+def _equal(x, v: float) -> bool:
+    """``x == v`` for a JSON number ``x`` (an integer too large for a float is not)."""
+    try:
+        return float(x) == v
+    except OverflowError:
+        return False

@@ -105,11 +105,11 @@ class Endpoint:
             return 413, _error(f"the body is over {MAX_BODY} bytes", 413)
         try:
             body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            body = ValueError(f"the body is not JSON ({e})")
+        except (ValueError, RecursionError) as e:  # (bad JSON, bytes, numbers or nesting)
+            body = ValueError(f"the body is not JSON we read ({type(e).__name__}: {e})"[:300])
         try:
             return self.hub.answer(route, episode, body, wait)
-        except TimeoutError:
+        except AnswerTimeout:
             raise
         except Exception as e:
             return 500, _error(f"the endpoint failed: {type(e).__name__}: {e}", 500)
@@ -117,15 +117,11 @@ class Endpoint:
     def transport(self, httpx, asynchronous: bool = False):
         """An ``httpx`` transport (of the module ``httpx``: the one the ``openai`` client is
         built on) that answers in process what this endpoint would answer over HTTP — the
-        same key check, routes and answers, the client's read timeout kept — and sends a
-        request for any other address over the network: the run's own clients skip the
+        same key check, routes and answers, the client's read timeout kept; mounted for the
+        endpoint's address alone (:func:`client_for`). The run's own clients skip the
         sockets and both sides' HTTP parsing (~0.5 ms of CPU a request). Any other client
         (the plain ``base_url``) speaks HTTP."""
-        endpoint, here = self, httpx.URL(self.url)
-
-        def ours(request) -> bool:
-            u = request.url
-            return (u.scheme, u.host, u.port) == (here.scheme, here.host, here.port)
+        endpoint = self
 
         def answer(request, raw: bytes):
             episode = endpoint.episode_of(request.headers.get("Authorization", ""))
@@ -136,34 +132,20 @@ class Endpoint:
                 try:
                     code, body = endpoint.respond(request.method, request.url.path, episode,
                                                   raw, wait)
-                except TimeoutError as e:
+                except AnswerTimeout as e:
                     raise httpx.ReadTimeout(str(e), request=request) from None
             return httpx.Response(code, headers={"Content-Type": "application/json"},
                                   content=json.dumps(body).encode())
 
         if not asynchronous:
             class Local(httpx.BaseTransport):
-                network = None
-
                 def handle_request(self, request):
-                    if ours(request):
-                        return answer(request, request.read())
-                    self.network = self.network or httpx.HTTPTransport(verify=_tls())
-                    return self.network.handle_request(request)
-
-                def close(self):
-                    if self.network is not None:
-                        self.network.close()
+                    return answer(request, request.read())
 
             return Local()
 
         class LocalAsync(httpx.AsyncBaseTransport):
-            network = None
-
             async def handle_async_request(self, request):
-                if not ours(request):
-                    self.network = self.network or httpx.AsyncHTTPTransport(verify=_tls())
-                    return await self.network.handle_async_request(request)
                 raw = await request.aread()
                 # (the answer waits for the engine: on a daemon thread, off the agent's event
                 # loop, so that nothing left waiting holds the interpreter open at exit)
@@ -181,10 +163,6 @@ class Endpoint:
                 threading.Thread(target=work, name="posttrain-agent-answer",
                                  daemon=True).start()
                 return await done
-
-            async def aclose(self):
-                if self.network is not None:
-                    await self.network.aclose()
 
         return LocalAsync()
 
@@ -204,9 +182,10 @@ def client_for(url: str, key: str, timeout: float, asynchronous: bool = False,
                            "'posttrain[agents]'") from None
     make = openai.DefaultAsyncHttpxClient if asynchronous else openai.DefaultHttpxClient
     local = {}
-    if endpoint is not None:  # (the httpx the client is built on: httpx, or httpx2 of late)
+    if endpoint is not None:  # (the httpx the client is built on: httpx, or httpx2 of late;
+        # mounted for the endpoint's address alone: any other goes out as the SDK sends it)
         httpx = importlib.import_module(make.__mro__[1].__module__.split(".")[0])
-        local = {"transport": endpoint.transport(httpx, asynchronous)}
+        local = {"mounts": {url.split("/v1")[0]: endpoint.transport(httpx, asynchronous)}}
     # (made with the run's one TLS context, a client takes ~0.5 ms, not the ~25 ms of
     # building a context — the endpoint speaks plain HTTP, but httpx builds one anyway)
     http = make(verify=_tls(), **local)
@@ -236,6 +215,10 @@ def _settle(future, out, err) -> None:
             future.set_exception(err)
         else:
             future.set_result(out)
+
+
+class AnswerTimeout(TimeoutError):
+    """A request of the run's own client not answered within the client's read timeout."""
 
 
 UNAUTHORISED = (401, _error("the run's key is missing or wrong", 401))

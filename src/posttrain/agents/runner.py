@@ -38,8 +38,8 @@ import time
 from dataclasses import dataclass, field
 
 from posttrain.agents import parsers
-from posttrain.agents.capture import Capture, RequestError, normalise
-from posttrain.agents.endpoint import Endpoint, client_for, error
+from posttrain.agents.capture import Capture, RequestError, check_sampling, normalise
+from posttrain.agents.endpoint import AnswerTimeout, Endpoint, client_for, error
 from posttrain.calls import Workers
 from posttrain.episodes.render import Renderer
 from posttrain.rollout import Request, SamplingParams
@@ -174,8 +174,9 @@ class Hub:
 
     def answer(self, route: str, name: str, body, wait: float | None = None
                ) -> tuple[int, dict]:
-        """A request of episode ``name``: ``(status, json)``. ``wait``: the longest to
-        wait for its sample (TimeoutError past it; the sample, drawn later, is dropped)."""
+        """A request of episode ``name``: ``(status, json)``. ``wait``: the longest it may
+        take, from now (AnswerTimeout past it; its sample is not drawn, or dropped)."""
+        deadline = None if wait is None else time.monotonic() + wait
         with self.cond:
             ep = self.episodes.get(name)
             if ep is None or ep.finished:
@@ -186,54 +187,65 @@ class Hub:
                     f"agent {self.spec.name}: a request for episode {name!r}, which never was")
                 return 409, error(f"episode {name!r} is not running (it ended, or never "
                                   "was)", 409)
-        with ep.lock:  # (an episode's requests one at a time, in the order they came)
-            try:
-                plan, tools, choice = self._plan(route, ep, body)
-            except RequestError as e:
-                self._fail(ep, f"request {ep.requests + 1}: {e}")
-                return 400, error(str(e), 400)
-            ep.requests += 1
-            spent = ep.capture.spent + len(plan.added)
-            budget = min(ep.params.max_new_tokens, self.max_episode_tokens - spent)
-            if self.max_length:
-                budget = min(budget, self.max_length - len(plan.ids))
-            if budget <= 0:
-                why = (f"request {ep.requests}: the episode ran past max_episode_tokens "
-                       f"{self.max_episode_tokens}" if spent >= self.max_episode_tokens else
-                       f"request {ep.requests}: its prompt of {len(plan.ids)} tokens leaves "
-                       f"no room under max_length {self.max_length}")
-                self._fail(ep, why)
-                return 400, error(why, 400)
-            seed = None if ep.seed is None else stream_seed(ep.seed, "turn", ep.requests - 1)
-            job = _Pending(ep, plan.ids, budget, seed, time.monotonic())
-            with self.cond:
-                if ep.finished:
-                    return 409, error(f"episode {name!r} ended", 409)
-                self.pending.append(job)
-                self.cond.notify_all()
-            left = self.spec.timeout - (time.monotonic() - (ep.started or time.monotonic()))
-            bound = max(left, 0.0) + 5.0
-            if wait is not None and wait < bound and not job.done.wait(wait):
-                raise TimeoutError(f"no answer within {wait:g} s")
-            if not job.done.wait(bound) or job.result is None:
-                return 504, error("the episode timed out, or the run stopped", 504)
-            ids, logps, text, version, ended = job.result
-            if route == "/v1/completions":
-                reasoning, content, calls = None, text, []
-            elif tools and choice != "none":
-                reasoning, content, calls = parsers.parse(text, self.parser, tools)
-            else:
-                reasoning, content, calls = (*parsers.split_reasoning(text), [])
-            answer = {"role": "assistant", "content": content or ""}
-            if calls:
-                answer["tool_calls"] = normalise([{"role": "assistant",
-                                                   "tool_calls": calls}])[0]["tool_calls"]
-            ep.capture.record(plan, ids, logps, version, ended, answer, reasoning is not None)
-            finish = "tool_calls" if calls else "length" if len(ids) >= budget and \
-                not ended else "stop"
-            ep.finish = finish
-            return 200, self._response(route, ep, plan.ids, ids, reasoning, content, calls,
-                                       finish, version)
+        if not ep.lock.acquire(timeout=-1 if wait is None else max(wait, 0.0)):
+            raise AnswerTimeout("no answer within the client's timeout")
+        try:  # (an episode's requests one at a time, in the order they came)
+            return self._answer(route, ep, body, deadline)
+        finally:
+            ep.lock.release()
+
+    def _answer(self, route: str, ep: _Episode, body, deadline: float | None):
+        try:
+            plan, tools, choice = self._plan(route, ep, body)
+        except RequestError as e:
+            self._fail(ep, f"request {ep.requests + 1}: {e}")
+            return 400, error(str(e), 400)
+        ep.requests += 1
+        spent = ep.capture.spent + len(plan.added)
+        budget = min(ep.params.max_new_tokens, self.max_episode_tokens - spent)
+        if self.max_length:
+            budget = min(budget, self.max_length - len(plan.ids))
+        if budget <= 0:
+            why = (f"request {ep.requests}: the episode ran past max_episode_tokens "
+                   f"{self.max_episode_tokens}" if spent >= self.max_episode_tokens else
+                   f"request {ep.requests}: its prompt of {len(plan.ids)} tokens leaves "
+                   f"no room under max_length {self.max_length}")
+            self._fail(ep, why)
+            return 400, error(why, 400)
+        seed = None if ep.seed is None else stream_seed(ep.seed, "turn", ep.requests - 1)
+        job = _Pending(ep, plan.ids, budget, seed, time.monotonic())
+        with self.cond:
+            if ep.finished:
+                return 409, error(f"episode {ep.name!r} ended", 409)
+            self.pending.append(job)
+            self.cond.notify_all()
+        left = self.spec.timeout - (time.monotonic() - (ep.started or time.monotonic()))
+        bound = max(left, 0.0) + 5.0
+        if deadline is not None and deadline - time.monotonic() < bound and \
+                not job.done.wait(max(deadline - time.monotonic(), 0.0)):
+            with self.cond:  # (nobody waits for its sample now: not drawn)
+                if job in self.pending:
+                    self.pending.remove(job)
+            raise AnswerTimeout("no answer within the client's timeout")
+        if not job.done.wait(bound) or job.result is None:
+            return 504, error("the episode timed out, or the run stopped", 504)
+        ids, logps, text, version, ended = job.result
+        if route == "/v1/completions":
+            reasoning, content, calls = None, text, []
+        elif tools and choice != "none":
+            reasoning, content, calls = parsers.parse(text, self.parser, tools)
+        else:
+            reasoning, content, calls = (*parsers.split_reasoning(text), [])
+        answer = {"role": "assistant", "content": content or ""}
+        if calls:
+            answer["tool_calls"] = normalise([{"role": "assistant",
+                                               "tool_calls": calls}])[0]["tool_calls"]
+        ep.capture.record(plan, ids, logps, version, ended, answer, reasoning is not None)
+        finish = "tool_calls" if calls else "length" if len(ids) >= budget and \
+            not ended else "stop"
+        ep.finish = finish
+        return 200, self._response(route, ep, plan.ids, ids, reasoning, content, calls,
+                                   finish, version)
 
     def _plan(self, route: str, ep: _Episode, body):
         """The capture's plan of a request, its tools and tool_choice; RequestError for one
@@ -245,7 +257,11 @@ class Hub:
         if body.get("model") not in (MODEL, None):
             raise RequestError(f"unknown model {body.get('model')!r} (this endpoint serves "
                                f"{MODEL!r})")
-        self._check_sampling(ep, body)
+        try:
+            check_sampling(ep.params, body)
+        except RequestError:
+            ep.refused += 1
+            raise
         if route == "/v1/completions":
             prompt = body.get("prompt")
             if isinstance(prompt, str):
@@ -267,24 +283,6 @@ class Hub:
                 raise RequestError(str(e)) from None
         return ep.capture.plan(normalise(body.get("messages")), tools or None), tools, \
             body.get("tool_choice", "auto")
-
-    def _check_sampling(self, ep: _Episode, body: dict) -> None:
-        """Sampling parameters are the run's: a request may repeat them, not change them."""
-        p = ep.params
-        run = {"temperature": p.temperature, "top_p": p.top_p}
-        bad = [k for k, v in run.items() if body.get(k) is not None and
-               (not isinstance(body[k], numbers.Real) or not _equal(body[k], v))]
-        bad += [k for k in ("n", "best_of") if body.get(k) not in (None, 1)]
-        bad += [k for k in ("max_tokens", "max_completion_tokens")
-                if body.get(k) is not None and (not isinstance(body[k], int)
-                                                or body[k] < p.max_new_tokens)]
-        bad += ["stream"] if body.get("stream") else []
-        if bad:
-            ep.refused += 1
-            raise RequestError(
-                f"{', '.join(bad)}: sampling is the run's (temperature {p.temperature:g}, "
-                f"top_p {p.top_p:g}, at most {p.max_new_tokens} new tokens, n 1, no "
-                "streaming); a request may leave them out")
 
     def _response(self, route, ep, prompt_ids, ids, reasoning, content, calls, finish,
                   version) -> dict:
@@ -400,12 +398,12 @@ class Hub:
                         batch, self.pending = self.pending, []
                         break
                     self.cond.wait(WINDOW_S if self.pending else 0.25)
-            if before_batch is not None and batches:
-                before_batch(batches)
-            batches += 1
             try:
+                if before_batch is not None and batches:
+                    before_batch(batches)
+                batches += 1
                 self._sample(engine, batch, params, extras)
-            finally:  # (an engine that failed: the batch's requests answered 504, not left)
+            finally:  # (a failure: the batch's requests answered 504, not left waiting)
                 for job in batch:
                     job.done.set()
 
@@ -422,14 +420,6 @@ class Hub:
                 job.result = (ids, out.logprobs[k][m].tolist(), out.texts[k],
                               out.policy_version, bool(ids) and ids[-1] == eos)
                 job.done.set()
-
-
-def _equal(x, v: float) -> bool:
-    """``x == v`` for a JSON number ``x`` (an integer too large for a float is not)."""
-    try:
-        return float(x) == v
-    except OverflowError:
-        return False
 
 
 def _reward(got):
