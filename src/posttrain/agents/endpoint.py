@@ -12,7 +12,7 @@ transport: the same checks and answers, no socket).
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import concurrent.futures
 import functools
 import hmac
 import importlib
@@ -148,21 +148,22 @@ class Endpoint:
             async def handle_async_request(self, request):
                 raw = await request.aread()
                 # (the answer waits for the engine: on a daemon thread, off the agent's event
-                # loop, so that nothing left waiting holds the interpreter open at exit)
-                loop = asyncio.get_running_loop()
-                done = loop.create_future()
+                # loop, so that nothing left waiting holds the interpreter open at exit;
+                # asyncio hands the result over, or drops it for a closed loop or a
+                # cancelled request)
+                done: concurrent.futures.Future = concurrent.futures.Future()
 
                 def work():
+                    if not done.set_running_or_notify_cancel():  # (cancelled before it ran)
+                        return
                     try:
-                        out, err = answer(request, raw), None
-                    except BaseException as e:  # (handed to the agent's loop)
-                        out, err = None, e
-                    with contextlib.suppress(RuntimeError):  # (its loop closed: gone)
-                        loop.call_soon_threadsafe(_settle, done, out, err)
+                        done.set_result(answer(request, raw))
+                    except BaseException as e:
+                        done.set_exception(e)
 
                 threading.Thread(target=work, name="posttrain-agent-answer",
                                  daemon=True).start()
-                return await done
+                return await asyncio.wrap_future(done)
 
         return LocalAsync()
 
@@ -207,14 +208,6 @@ class _Server(ThreadingHTTPServer):
 
 def _error(message: str, code: int) -> dict:
     return {"error": {"message": message, "type": "invalid_request_error", "code": code}}
-
-
-def _settle(future, out, err) -> None:
-    if not future.done():  # (cancelled by the agent: nobody waits)
-        if err is not None:
-            future.set_exception(err)
-        else:
-            future.set_result(out)
 
 
 class AnswerTimeout(TimeoutError):
