@@ -219,6 +219,7 @@ def test_qlora_under_fsdp_is_refused():
         RLConfig(lora_rank=4, load_in_4bit=True, parallel="fsdp").validate()
 
 
+@pytest.mark.slow
 def test_lora_grpo_learns_the_builtin_task(tmp_path):
     """The quick start with --lora_rank 16 (60 steps, ~10 s on 2 cores): held-out greedy
     accuracy from 28% to ≥ 85% (the issue's bar; +25 points is the RL target)."""

@@ -290,6 +290,7 @@ def test_an_nccl_server_that_never_takes_its_bucket_is_dropped_then_readmitted(
     assert all(torch.equal(got[n], p) for n, p in trained.named_parameters())
 
 
+@pytest.mark.slow
 def test_a_stopped_server_is_named_and_its_requests_go_to_the_other(model_tok, fakes, capsys):
     _, tok = model_tok
     reqs = _requests(tok)
@@ -304,7 +305,8 @@ def test_a_stopped_server_is_named_and_its_requests_go_to_the_other(model_tok, f
     assert "its requests go to server 0" in err
 
 
-@pytest.mark.parametrize("push", ["merged", pytest.param("adapter", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("push", ["merged", "adapter"])
 def test_a_server_that_answers_again_is_readmitted_at_the_next_push(model_tok, fakes, capsys,
                                                                      push):
     """A stopped server is dropped; a push while it still answers nothing goes on without
@@ -746,6 +748,7 @@ def test_push_files_not_kept_are_written_afresh_and_removed(why, monkeypatch):
         files.close()
 
 
+@pytest.mark.slow
 def test_push_files_are_removed_when_a_run_exits_without_closing_them():
     """A process that exits without closing its push files (as a run that ends on an
     error may) leaves nothing in ``/dev/shm``: kept bucket files are a model's size."""
