@@ -102,6 +102,10 @@ class Replies(RolloutEngine):
 
     def __init__(self, tokenizer, reply, version: int = 3):
         self.tok, self.reply, self.version, self.batches = tokenizer, reply, version, []
+        self.retained = []  # (before each batch: what it was told a request may extend)
+
+    def retain_prefixes(self, sequences):
+        self.retained.append(sorted(sequences))
 
     def generate(self, requests, n=1, params=None, generator=None, extras=frozenset()):
         self.batches.append(list(requests))
@@ -271,8 +275,13 @@ def test_an_agent_that_edits_its_history_splits_the_episode():
                                    {"role": "user", "content": "y"}]})  # merges
         return 0.5
 
-    eps = run(make_hub(tok, agent), Replies(tok, lambda ids, s: next(replies)), [{"q": 1}])
+    engine = Replies(tok, lambda ids, s: next(replies))
+    eps = run(make_hub(tok, agent), engine, [{"q": 1}])
     ro = eps.rollout
+    # the engine may drop what the edit left behind: only the episode's last answer is kept
+    first, second = (b[0].prompt_ids for b in engine.batches[:2])
+    assert engine.retained == [[], [(*first, *ids_of(tok, "ab"))],
+                               [(*second, *ids_of(tok, "c"))]]
     assert ro.stats["trajectory_splits"].tolist() == [0, 1]  # (on the episode's last row)
     assert ro.stats["requests"].tolist() == [0, 3]
     assert [ro.completion_ids[k][ro.loss_mask[k].bool()].tolist() for k in (0, 1)] == \
@@ -673,14 +682,29 @@ def test_the_builtin_agent_trains_as_the_builtin_environment(tmp_path):
 
 
 @pytest.mark.parametrize("backend", ["lean", "hf"])
-def test_trainer_log_probs_at_captured_tokens_equal_the_behaviour_ones(backend, tmp_path):
+def test_trainer_log_probs_at_captured_tokens_equal_the_behaviour_ones(backend, tmp_path,
+                                                                      monkeypatch):
     """Through the endpoint, the trainer's log-probs of each captured sequence at its
-    sampled tokens equal the engine's behaviour log-probs to float32 rounding."""
+    sampled tokens equal the engine's behaviour log-probs to float32 rounding; a request
+    that extends an earlier answer runs only what it adds, on the keys and values the
+    engine kept of that answer (as an environment's next turn does)."""
     pytest.importorskip("openai")
+    import posttrain.rollout.engine as engine_mod
+    from posttrain.agents import runner
     from posttrain.config import RLConfig
     from posttrain.trainers.online import RLTrainer
     from rl_steps import check_trainer_reads_behaviour
 
+    calls, real = [], engine_mod._prefill
+
+    def spy(model, prompt_ids, n, pad_id, device, past=None):
+        calls.append((len(prompt_ids), sum(kv is not None for kv in past or [])))
+        return real(model, prompt_ids, n, pad_id, device, past)
+
+    monkeypatch.setattr(engine_mod, "_prefill", spy)
+    # batches as requests come: samples that drew the same answer extend it in different
+    # batches (the first to extend it must not take it from the others)
+    monkeypatch.setattr(runner, "WINDOW_S", 0.0)
     cfg = RLConfig(output_dir=str(tmp_path), agent="builtin", max_steps=1, prompts_per_step=4,
                    group_size=4, rollout_backend=backend, builtin_train_size=16,
                    builtin_eval_size=0, device="cpu", tensorboard=False, kl_coef=0.0,
@@ -692,6 +716,10 @@ def test_trainer_log_probs_at_captured_tokens_equal_the_behaviour_ones(backend, 
     finally:
         trainer.close()
     assert ro.stats["requests"].max() == 2  # the model asks, then answers
+    # (requests are batched by arrival: every first request ran whole, every second reused)
+    seconds = int((ro.stats["requests"] == 2).sum())
+    assert seconds and sum(n for n, _ in calls) == 16 + seconds
+    assert sum(held for _, held in calls) == seconds
     check_trainer_reads_behaviour(trainer, ro, share=True)
 
 

@@ -549,7 +549,7 @@ def test_later_turns_reuse_the_kv_cache_of_earlier_ones(backend, monkeypatch):
     bound = 2 * rel_bound(model_stages(model.config, backward=False),
                           model_inner(model.config, 64))
     assert float((a - b).norm() / b.norm()) <= bound
-    assert not engine._held  # nothing is kept past the episodes
+    assert not engine._prefixes.held  # nothing is kept past the episodes
 
 
 def test_a_dataclass_environment_loads(tmp_path):

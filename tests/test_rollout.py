@@ -754,3 +754,44 @@ def test_lean_decoder_runs_mixture_of_experts_blocks(tiny_model_dir, arch):
     with pytest.raises(ValueError, match="dense models only"):
         make_engine("lean", model, tok).generate(requests, 1, params,
                                                  extras=frozenset({"projections"}))
+
+
+def test_held_prefixes_are_found_released_when_extended_and_retained():
+    """A decoding engine's kept keys and values: a prompt takes its longest held prefix
+    (one token at least left to run); a call's extended sequences are released after it;
+    ``retain`` keeps only what a given sequence starts with."""
+    from posttrain.rollout.prefixes import Prefixes
+
+    kv = {k: (torch.full((1,), float(k[-1])),) * 2 for k in [(1, 2), (1, 2, 3), (7, 8)]}
+    off = Prefixes()
+    off.held = dict(kv)
+    assert off.find([[1, 2, 3, 4]]) is None  # (outside reusing_prefixes(): nothing)
+    on = Prefixes(on=True)
+    on.held = dict(kv)
+    got = on.find([[1, 2, 3, 4], [1, 2, 3], [5]])
+    assert got[0] is kv[(1, 2, 3)] and got[1] is kv[(1, 2)] and got[2] is None
+    assert on.find([[9]]) is None
+    on.settle({(1, 2, 3, 4, 5): kv[(7, 8)]})
+    assert set(on.held) == {(7, 8), (1, 2, 3, 4, 5)}
+    on.held.update(kv)
+    on.retain([(1, 2, 3, 9), (4,)])
+    assert set(on.held) == {(1, 2, 3)}
+    on.retain([(1, 2, 3)])  # (a sequence is its own prefix: kept)
+    assert set(on.held) == {(1, 2, 3)}
+    on.retain([])
+    assert on.held == {}
+
+
+def test_managed_prefixes_are_released_only_by_retain():
+    """Requests that come one at a time (an agent's): a sequence two episodes hold stays
+    after the first extends it, until ``retain`` leaves it out."""
+    from posttrain.rollout.prefixes import Prefixes
+
+    kv = (torch.zeros(1), torch.zeros(1))
+    p = Prefixes(on=True, managed=True)
+    p.held = {(1, 2): kv}
+    assert p.find([[1, 2, 3]])[0] is kv
+    p.settle({(1, 2, 3, 4): kv})
+    assert p.find([[1, 2, 5]])[0] is kv  # (the other episode's request: still there)
+    p.retain([(1, 2, 3, 4, 6)])
+    assert set(p.held) == {(1, 2, 3, 4)}

@@ -103,6 +103,7 @@ class _Episode:
     reward: object = None
     finish: str = ""
     refused: int = 0
+    tail: tuple[int, ...] = ()  # (its last answer's prompt and completion)
 
 
 @dataclass
@@ -331,7 +332,8 @@ class Hub:
         for ep in eps:
             pool.submit(self._agent, ep)
         try:
-            self._serve(engine, eps, params, extras, before_batch)
+            with engine.reusing_prefixes(managed=True):  # (what a request extends)
+                self._serve(engine, eps, params, extras, before_batch)
         finally:
             with self.cond:
                 for ep in eps:
@@ -402,6 +404,8 @@ class Hub:
                 if before_batch is not None and batches:
                     before_batch(batches)
                 batches += 1
+                # (the engine keeps what a running episode's next request may extend)
+                engine.retain_prefixes([e.tail for e in eps if e.tail and not e.finished])
                 self._sample(engine, batch, params, extras)
             finally:  # (a failure: the batch's requests answered 504, not left waiting)
                 for job in batch:
@@ -419,6 +423,7 @@ class Hub:
                 ids = out.completion_ids[k][m].tolist()
                 job.result = (ids, out.logprobs[k][m].tolist(), out.texts[k],
                               out.policy_version, bool(ids) and ids[-1] == eos)
+                job.episode.tail = (*job.ids, *ids)
                 job.done.set()
 
 

@@ -43,6 +43,7 @@ from transformers import DynamicCache
 
 from posttrain.data import pad_left
 from posttrain.models import cache_kwarg
+from posttrain.rollout.prefixes import Prefixes
 from posttrain.rollout.sampling import CDF_BLOCK, sample_tokens
 from posttrain.rollout.types import (
     Request,
@@ -98,12 +99,17 @@ class RolloutEngine:
         pass
 
     @contextlib.contextmanager
-    def reusing_prefixes(self):
-        """Within it, a request that extends a sequence the previous ``generate`` call
+    def reusing_prefixes(self, managed: bool = False):
+        """Within it, a request that extends a sequence an earlier ``generate`` call
         produced (its prompt and completion, e.g. an episode's next turn) may reuse what
-        the engine computed for that sequence instead of encoding it again. A no-op here
-        (vLLM's prefix cache does this on its own)."""
+        the engine computed for that sequence instead of encoding it again; ``managed``:
+        only :meth:`retain_prefixes` releases what is kept. A no-op here (vLLM's prefix
+        cache does this on its own)."""
         yield self
+
+    def retain_prefixes(self, sequences) -> None:
+        """Inside :meth:`reusing_prefixes`: what is kept for a later request, less what no
+        request extending one of ``sequences`` could use (a no-op here)."""
 
     def close(self) -> None:
         pass
@@ -223,11 +229,7 @@ class DecodingEngine(RolloutEngine):
     def __init__(self, model, tokenizer, shares_weights: bool = True):
         self.model, self.tokenizer = model, tokenizer
         self.shares_weights = shares_weights
-        self._reuse = False  # inside reusing_prefixes()
-        self._extended: set[tuple[int, ...]] = set()
-        self._held: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
-        """Inside reusing_prefixes(): the last call's sequences (prompt and completion, less
-        its last token, which was never fed) and their keys and values."""
+        self._prefixes = Prefixes()  # (on inside reusing_prefixes())
         self._refilled: dict[str, torch.Size] = {}  # name -> shape of what a sync sends
         self._freed = False  # sleep() emptied the tensors of _refilled
 
@@ -266,33 +268,22 @@ class DecodingEngine(RolloutEngine):
         self._freed = True
 
     @contextlib.contextmanager
-    def reusing_prefixes(self):
+    def reusing_prefixes(self, managed: bool = False):
         """Within it, each call keeps every sample's keys and values, and a later call
         runs only what a request adds to one of them (an episode's next turn: the last
         sampled token, the environment's message, the generation prompt); a kept sequence
-        is released once extended, the rest when the block ends (at most one per
-        episode). The reused keys and values are the decode steps'
-        own, so a sample's log-probs differ from a full prefill's by float rounding."""
-        self._reuse, self._held, self._extended = True, {}, set()
+        is released once extended (``managed``: once :meth:`retain_prefixes` leaves it
+        out), the rest when the block ends (at most one per episode). The reused keys and
+        values are the decode steps' own, so a sample's log-probs differ from a full
+        prefill's by float rounding."""
+        self._prefixes = Prefixes(on=True, managed=managed)
         try:
             yield self
         finally:
-            self._reuse, self._held, self._extended = False, {}, set()
+            self._prefixes = Prefixes()
 
-    def _past(self, prompt_ids: list[list[int]]) -> list | None:
-        """Per prompt, the kept keys and values of its longest held prefix (at least one
-        token must remain to run), or None."""
-        if not self._held:
-            return None
-        lengths = sorted({len(k) for k in self._held}, reverse=True)
-        out = []
-        for p in prompt_ids:
-            key = next((tuple(p[:n]) for n in lengths
-                        if n < len(p) and tuple(p[:n]) in self._held), None)
-            out.append(None if key is None else self._held[key])
-            if key is not None:  # extended: released after this call (its extension is kept)
-                self._extended.add(key)
-        return out if any(x is not None for x in out) else None
+    def retain_prefixes(self, sequences) -> None:
+        self._prefixes.retain(sequences)
 
     def score(self, sequences: list[list[int]], prompt_lens: list[int]) -> list[torch.Tensor]:
         from posttrain.rollout.guard import trainer_logprobs
@@ -335,7 +326,7 @@ class DecodingEngine(RolloutEngine):
             uniforms = uniforms.to(device)
         was_training = model.training
         model.eval()
-        past = self._past(prompt_ids) if self._reuse else None
+        past = self._prefixes.find(prompt_ids)
         recorder = None  # R3: the experts of every token fed (mixture-of-experts samplers)
         if "routing" in extras:
             from posttrain.models import routing
@@ -354,7 +345,7 @@ class DecodingEngine(RolloutEngine):
         def keep(slots: torch.Tensor, rows: torch.Tensor, t: int) -> None:
             """Keep the keys and values of ``rows`` (in cache ``slots``), whose last
             sampled token is column ``t``: the prompt's columns and the tokens fed."""
-            if not self._reuse:
+            if not self._prefixes.on:
                 return
             k, v = decoder.kv(slots, Lp + t)  # (layers, rows, heads, cols, dim)
             for j, r in enumerate(rows.tolist()):
@@ -406,11 +397,8 @@ class DecodingEngine(RolloutEngine):
                 recorder.step(torch.arange(N, device=device) if active is None else active, t)
             logits = decoder.step(tok)
         model.train(was_training)
-        if self._reuse:  # (what no call extended stays until reusing_prefixes() ends)
-            for key in self._extended:
-                self._held.pop(key, None)
-            self._extended = set()
-            self._held.update(held)
+        if self._prefixes.on:  # (what no call extended stays until released)
+            self._prefixes.settle(held)
         activations = decoder.activations(steps, end.clamp_max(steps - 1))
         if head is not None:
             head = _head_stats(head[:, :, :steps], end.clamp_max(steps - 1))
