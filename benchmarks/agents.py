@@ -7,7 +7,10 @@ Modes: ``env`` (the episode loop calls the environment in process); ``agent`` (t
 agent through the endpoint with the ``openai`` SDK, every episode in flight at once);
 ``agent64`` (the same, 64 episodes in flight); ``agent_http`` (the same agent written with
 ``http.client``: the endpoint's own cost without the SDK's); ``agent_async`` (the same
-agent as an ``async def`` with the SDK's ``AsyncOpenAI`` client).
+agent as an ``async def`` with the SDK's ``AsyncOpenAI`` client); ``sdk_floor`` (the same
+agent and SDK client, every answer canned and handed back by an in-memory transport: no
+endpoint, no model — the SDK's own work for the episode's two requests, a floor under
+``agent`` that no endpoint can go below).
 
 Usage: python benchmarks/agents.py [--engine lean] [--rows 32] [--group 4] [--repeats 5]
        [--hidden 512]
@@ -69,7 +72,61 @@ async def async_agent(client, row):
     return 0.0
 
 
+class SdkFloor:
+    """``--agent builtin``'s episodes with every answer canned (the endpoint's answers'
+    shape: a call of ``operand``, then the sum), through the SDK's client and an in-memory
+    transport. ``experience.collect`` runs the episodes one after another."""
+
+    def __init__(self, args):
+        import openai
+
+        from posttrain.builtin.episodes import rows
+
+        client = openai.DefaultHttpxClient.__mro__[1]  # (the httpx Client the SDK uses)
+        self.httpx = sys.modules[client.__module__.split(".")[0]]
+        self.client = openai.OpenAI(base_url="http://127.0.0.1:9/v1", api_key="floor",
+                                    http_client=client(
+                                        transport=self.httpx.MockTransport(self._answer)))
+        self.rows = rows(args.rows, "train")
+        self.group, self.experience = args.group, self
+        self.turn, self.row = 0, None
+
+    def _answer(self, request):
+        body = json.loads(request.content)
+        ids = list(range(3 * len(body["messages"])))
+        message = {"role": "assistant", "content": str(self.row["answer"])} if self.turn else {
+            "role": "assistant", "content": "", "tool_calls": [{
+                "id": f"call_{self.turn}", "type": "function",
+                "function": {"name": "operand", "arguments": "{}"}}]}
+        self.turn ^= 1
+        answer = {"id": "posttrain-floor", "created": 0, "model": "posttrain-policy",
+                  "usage": {"prompt_tokens": len(ids), "completion_tokens": 2,
+                            "total_tokens": len(ids) + 2},
+                  "prompt_token_ids": ids, "system_fingerprint": "posttrain-v0",
+                  "object": "chat.completion", "choices": [{
+                      "index": 0, "message": message, "logprobs": None, "token_ids": [5, 6],
+                      "finish_reason": "stop" if self.turn == 0 else "tool_calls"}]}
+        return self.httpx.Response(200, json=answer)
+
+    def collect(self, step):
+        from posttrain.builtin.agent import lookup_agent
+
+        rewards = []
+        for row in self.rows:
+            for _ in range(self.group):
+                self.row, self.turn = row, 0
+                rewards.append(lookup_agent(self.client, row))
+        assert rewards == [1.0] * len(rewards)  # (both requests made, every episode)
+        return None
+
+    def close(self):
+        self.client.close()
+
+
 def maker(mode: str, args, out: str):
+    if mode == "sdk_floor":
+        return SdkFloor(args)
+
     from posttrain.config import RLConfig
     from posttrain.trainers.online import RLTrainer
 
@@ -124,7 +181,7 @@ def main() -> None:
             t = time.perf_counter()
             exp = trainers[m].experience.collect(r + 2)
             times[m].append(time.perf_counter() - t)
-            assert len(exp.rollout.prompt_ids) == args.rows * args.group
+            assert exp is None or len(exp.rollout.prompt_ids) == args.rows * args.group
     episodes = args.rows * args.group
     base = statistics.median(times["env"]) if "env" in times else None
     rows = []
