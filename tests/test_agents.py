@@ -102,7 +102,7 @@ class Replies(RolloutEngine):
 
     def __init__(self, tokenizer, reply, version: int = 3):
         self.tok, self.reply, self.version, self.batches = tokenizer, reply, version, []
-        self.retained = []  # (before each batch: what it was told a request may extend)
+        self.retained = []  # (after each batch: what it was told a request may extend)
 
     def retain_prefixes(self, sequences):
         self.retained.append(sorted(sequences))
@@ -278,10 +278,12 @@ def test_an_agent_that_edits_its_history_splits_the_episode():
     engine = Replies(tok, lambda ids, s: next(replies))
     eps = run(make_hub(tok, agent), engine, [{"q": 1}])
     ro = eps.rollout
-    # the engine may drop what the edit left behind: only the episode's last answer is kept
+    # after each batch the engine may drop what the edit left behind: only the episode's
+    # last answer is kept (after the last, the episode may have ended: nothing)
     first, second = (b[0].prompt_ids for b in engine.batches[:2])
-    assert engine.retained == [[], [(*first, *ids_of(tok, "ab"))],
-                               [(*second, *ids_of(tok, "c"))]]
+    assert engine.retained[:2] == [[(*first, *ids_of(tok, "ab"))],
+                                   [(*second, *ids_of(tok, "c"))]]
+    assert len(engine.retained) == 3
     assert ro.stats["trajectory_splits"].tolist() == [0, 1]  # (on the episode's last row)
     assert ro.stats["requests"].tolist() == [0, 3]
     assert [ro.completion_ids[k][ro.loss_mask[k].bool()].tolist() for k in (0, 1)] == \

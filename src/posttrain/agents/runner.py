@@ -404,9 +404,9 @@ class Hub:
                 if before_batch is not None and batches:
                     before_batch(batches)
                 batches += 1
+                self._sample(engine, batch, params, extras)
                 # (the engine keeps what a running episode's next request may extend)
                 engine.retain_prefixes([e.tail for e in eps if e.tail and not e.finished])
-                self._sample(engine, batch, params, extras)
             finally:  # (a failure: the batch's requests answered 504, not left waiting)
                 for job in batch:
                     job.done.set()
