@@ -94,18 +94,18 @@ class SdkFloor:
     def _answer(self, request):
         body = json.loads(request.content)
         ids = list(range(3 * len(body["messages"])))
-        message = {"role": "assistant", "content": str(self.row["answer"])} if self.turn else {
-            "role": "assistant", "content": "", "tool_calls": [{
-                "id": f"call_{self.turn}", "type": "function",
-                "function": {"name": "operand", "arguments": "{}"}}]}
-        self.turn ^= 1
+        asked, self.turn = self.turn == 0, self.turn ^ 1  # (a call first, then the sum)
+        message = {"role": "assistant", "content": "", "tool_calls": [{
+            "id": "call_0", "type": "function",
+            "function": {"name": "operand", "arguments": "{}"}}]} if asked else {
+            "role": "assistant", "content": str(self.row["answer"])}
         answer = {"id": "posttrain-floor", "created": 0, "model": "posttrain-policy",
                   "usage": {"prompt_tokens": len(ids), "completion_tokens": 2,
                             "total_tokens": len(ids) + 2},
                   "prompt_token_ids": ids, "system_fingerprint": "posttrain-v0",
                   "object": "chat.completion", "choices": [{
                       "index": 0, "message": message, "logprobs": None, "token_ids": [5, 6],
-                      "finish_reason": "stop" if self.turn == 0 else "tool_calls"}]}
+                      "finish_reason": "tool_calls" if asked else "stop"}]}
         return self.httpx.Response(200, json=answer)
 
     def collect(self, step):

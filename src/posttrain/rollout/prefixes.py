@@ -22,10 +22,11 @@ class Prefixes:
         self.held: dict[tuple[int, ...], KV] = {}
         self._extended: set[tuple[int, ...]] = set()
 
-    def _longest(self, ids, lengths) -> tuple[int, ...] | None:
-        """The longest held prefix of ``ids`` that leaves at least one token to run."""
+    def _longest(self, ids, lengths, left: int = 1) -> tuple[int, ...] | None:
+        """The longest held prefix of ``ids`` that leaves at least ``left`` tokens (one to
+        run, for a prompt)."""
         return next((tuple(ids[:n]) for n in lengths
-                     if n < len(ids) and tuple(ids[:n]) in self.held), None)
+                     if n <= len(ids) - left and tuple(ids[:n]) in self.held), None)
 
     def find(self, prompt_ids: list[list[int]]) -> list[KV | None] | None:
         """Per prompt, the keys and values of its longest held prefix, or None (None for
@@ -52,8 +53,5 @@ class Prefixes:
         """Keep only what is a prefix of one of ``sequences`` (the requests that may still
         come: what nothing can extend any more is released now, not at the block's end)."""
         lengths = sorted({len(k) for k in self.held}, reverse=True)
-        keep = set()
-        for s in sequences:
-            keep.update(k for k in [next((tuple(s[:n]) for n in lengths if n <= len(s)
-                                          and tuple(s[:n]) in self.held), None)] if k)
+        keep = {self._longest(s, lengths, left=0) for s in sequences}
         self.held = {k: v for k, v in self.held.items() if k in keep}
